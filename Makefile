@@ -1,0 +1,46 @@
+# batchgen developer targets. `make demo` and `make test` each set up what they need.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU-only machine must not pull a multi-GB CUDA build: pin the torch wheel set-up installs.
+# On a GPU machine pick the build you want, e.g. `make setup TORCH='torch==2.11.0'`.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.batchgen-setup
+JOB ?= jobs/demo.toml
+SHAPE ?= 1b
+WORKLOAD ?= W1
+
+.PHONY: setup test demo bench lint format run clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/batchgen model build-default
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/batchgen run $(JOB)
+
+run: setup
+	$(BIN)/batchgen run $(JOB)
+
+bench: setup
+	$(BIN)/batchgen bench --shape $(SHAPE) --workload $(WORKLOAD)
+
+lint: setup
+	$(BIN)/ruff format --check batchgen tests benchmarks
+	$(BIN)/ruff check batchgen tests benchmarks
+
+format: setup
+	$(BIN)/ruff format batchgen tests benchmarks
+	$(BIN)/ruff check --fix batchgen tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache out

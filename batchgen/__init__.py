@@ -1,0 +1,7 @@
+"""batchgen: offline batch generation with a continuous-batching engine and exactly-once output."""
+
+from batchgen.engine import Engine, EngineConfig, Prompt, RequestOutput, SamplingParams
+from batchgen.errors import BatchgenError
+
+__all__ = ["BatchgenError", "Engine", "EngineConfig", "Prompt", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Run-time values (KV blocks) are returned, not stored."""
+
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None  # None = sized from memory (kv_cache_memory_fraction / cpu)
+    kv_cache_memory_fraction: float = 0.9  # of free GPU memory after the model loads
+    cpu_kv_cache_gib: float = 1.0  # KV cache size on the CPU device when num_kv_blocks is None
+    max_num_seqs: int = 256  # cap on running requests
+    max_num_batched_tokens: int = 4096  # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    overlap: bool = True  # launch step N+1 before post-processing N; False = synchronous oracle
+    cuda_graphs: bool = True  # capture decode steps (CUDA only)
+    cuda_graph_batch_sizes: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    )
+    attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    seed: int = 0  # base of per-request seeds when a request gives none
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _check(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "8, 16, 32, 64 or 128",
+        )
+        if self.num_kv_blocks is not None:
+            _check(self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1")
+        _check(
+            0.0 < self.kv_cache_memory_fraction <= 1.0,
+            "kv_cache_memory_fraction",
+            self.kv_cache_memory_fraction,
+            "a number in (0, 1]",
+        )
+        _check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "> 0")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            f">= max_num_seqs ({self.max_num_seqs})",
+        )
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
+        _check(
+            self.attention_backend in ("auto", "reference", "triton"),
+            "attention_backend",
+            self.attention_backend,
+            "auto, reference or triton",
+        )
+        _check(
+            all(b >= 1 for b in self.cuda_graph_batch_sizes),
+            "cuda_graph_batch_sizes",
+            self.cuda_graph_batch_sizes,
+            "positive batch sizes",
+        )
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")

@@ -1,0 +1,225 @@
+"""The engine loop: schedule -> launch -> post-process, with step N+1 launched before N is read."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from batchgen.engine.block_manager import BlockManager, blocks_for
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_loader import (
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    model_shape,
+    resolve_device,
+    resolve_dtype,
+)
+from batchgen.engine.request import Prompt, Request, RequestOutput, Status
+from batchgen.engine.runner import ModelRunner, plan_num_blocks
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import Batch, Scheduler
+from batchgen.engine.transfer import StepOutput, wait_tokens
+
+PromptLike = str | list[int] | Prompt
+
+
+class Engine:
+    """A continuous-batching engine over one Hugging Face decoder-only model.
+
+    `model` is a local model folder, a hub id, "default" (the embedded tiny model) or a loaded
+    PreTrainedModel (then pass its tokenizer, or token-id prompts only).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | PreTrainedModel = "default",
+        config: EngineConfig | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.device = resolve_device(self.config)
+        self.dtype = resolve_dtype(self.config, self.device)
+        self.model = load_model(model, self.device, self.dtype)
+        if tokenizer is None and not isinstance(model, PreTrainedModel):
+            tokenizer = load_tokenizer(model)
+        self.tokenizer = tokenizer
+        self.shape = model_shape(self.model)
+        limit = self.shape.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.num_blocks = plan_num_blocks(
+            self.config, self.shape, self.dtype, self.device, self.max_model_len
+        )
+        self.runner = ModelRunner(
+            self.model, self.config, self.device, self.dtype, self.num_blocks, self.max_model_len
+        )
+        self.blocks = BlockManager(self.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
+        self._in_flight: tuple[Batch, StepOutput] | None = None
+        self._live: dict[str, Request] = {}
+
+    # -- public API -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[PromptLike],
+        params: SamplingParams | None = None,
+        *,
+        decode: bool = True,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's result as it finishes (not in input order).
+
+        Prompts are pulled from the iterable only as the engine has room, so a caller can
+        stream any number of them. A bad prompt yields an error result; the rest go on.
+        """
+        params = params or SamplingParams()
+        source = iter(enumerate(prompts))
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < self.config.max_num_seqs:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    rejected = self.add_request(item[1], params, default_id=str(item[0]))
+                    if rejected is not None:
+                        yield rejected
+                if not self.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+                for out in self.step():
+                    yield self._with_text(out) if decode else out
+        finally:
+            self.abort_all()
+
+    def add_request(
+        self, prompt: PromptLike, params: SamplingParams, default_id: str
+    ) -> RequestOutput | None:
+        """Queue one prompt; -> an error result instead if it cannot run."""
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt(prompt)
+        request_id = default_id if prompt.request_id is None else str(prompt.request_id)
+        try:
+            request = self._make_request(request_id, prompt, params)
+        except ValueError as exc:
+            return RequestOutput(request_id, [], [], "error", f"request {request_id}: {exc}")
+        self._live[request_id] = request
+        self.scheduler.add(request)
+        return None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> launch -> post-process (step N-1's when overlapped)."""
+        batch = self.scheduler.schedule()
+        launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+        if not self.config.overlap:
+            previous = launched
+        else:
+            previous, self._in_flight = self._in_flight, launched
+        if previous is None and launched is None and self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress with nothing in flight")
+        return self._postprocess(*previous) if previous is not None else []
+
+    def abort_all(self) -> None:
+        """Drop every queued and running request (a caller stopped consuming results)."""
+        if self._in_flight is not None:
+            wait_tokens(self._in_flight[1])
+            for chunk in self._in_flight[0].chunks:
+                chunk.request.num_pending -= chunk.samples
+            self._in_flight = None
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(request, "error")
+        self._live.clear()
+        self.blocks.check_invariants()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _postprocess(self, batch: Batch, out: StepOutput) -> list[RequestOutput]:
+        tokens = wait_tokens(out)
+        finished = []
+        for chunk, token in zip((c for c in batch.chunks if c.samples), tokens, strict=True):
+            request = chunk.request
+            request.num_pending -= 1
+            if request.status is Status.FINISHED:
+                continue  # ended at the previous step; this token was launched before we knew
+            request.output_token_ids.append(token)
+            reason = request.stop_reason(token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                del self._live[request.request_id]
+                finished.append(
+                    RequestOutput(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.output_token_ids,
+                        reason,
+                    )
+                )
+        return finished
+
+    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        if request_id in self._live:
+            raise ValueError(f"id {request_id!r} is already running: ids must be unique")
+        if isinstance(prompt.sampling, SamplingParams):
+            params = prompt.sampling
+        elif prompt.sampling:
+            params = params.replace(**prompt.sampling)
+        ids = self._prompt_ids(prompt.prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the model's context is "
+                f"{self.max_model_len} (max_model_len): shorten the prompt"
+            )
+        max_tokens = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        needed = blocks_for(max_tokens, self.config.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"needs {needed} KV blocks but the cache has {self.num_blocks}: "
+                "lower max_new_tokens or give the KV cache more memory"
+            )
+        seed = params.seed if params.seed is not None else self._derived_seed(request_id)
+        return Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
+
+    def _prompt_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompt but the engine has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(
+                f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
+            )
+        if not prompt:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.shape.vocab_size})"
+            )
+        return list(prompt)
+
+    def _derived_seed(self, request_id: str) -> int:
+        digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little") >> 1
+
+    def _with_text(self, out: RequestOutput) -> RequestOutput:
+        if self.tokenizer is None or out.finish_reason == "error":
+            return out
+        text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+        return out._replace(text=text)

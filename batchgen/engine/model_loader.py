@@ -1,0 +1,124 @@
+"""Load a Hugging Face decoder-only model and its tokenizer for the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from batchgen.engine.attention import ATTENTION_NAME, register
+from batchgen.engine.config import EngineConfig
+from batchgen.errors import BatchgenError
+
+DEFAULT_MODEL = "default"  # the embedded tiny model, built locally on first use
+
+
+class ModelShape(NamedTuple):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BatchgenError(f"device={config.device!r} but CUDA is not available: use device='cpu'")
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def resolve_model_path(model: str | Path) -> str:
+    """A local folder, the embedded default, or a hub id; a missing local path is an error."""
+    if str(model) == DEFAULT_MODEL:
+        from batchgen.models import default_model_path
+
+        return str(default_model_path())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise BatchgenError(
+                f"model folder '{model}' has no config.json: give a Hugging Face "
+                "model folder (saved with save_pretrained)"
+            )
+        return str(path)
+    text = str(model)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
+        raise BatchgenError(
+            f"model path '{model}' does not exist: give a local model folder, "
+            "a hub id, or 'default' for the embedded model"
+        )
+    return text
+
+
+def load_model(
+    model: str | Path | PreTrainedModel, device: torch.device, dtype: torch.dtype
+) -> PreTrainedModel:
+    register()
+    if isinstance(model, PreTrainedModel):
+        model.set_attn_implementation(ATTENTION_NAME)
+        return model.to(device=device, dtype=dtype).eval()
+    source = resolve_model_path(model)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=ATTENTION_NAME
+        )
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BatchgenError(f"could not load model '{model}': {first}") from exc
+    return loaded.to(device).eval()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model: str | Path | PreTrainedModel) -> Any:
+    """The model's tokenizer; None for a local folder that has none (token-id prompts only)."""
+    source = model.name_or_path if isinstance(model, PreTrainedModel) else resolve_model_path(model)
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise BatchgenError(f"could not load a tokenizer for '{source}': {exc}") from exc
+
+
+def model_shape(model: PreTrainedModel) -> ModelShape:
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 2**31 - 1,
+    )
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = model.config.get_text_config().eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

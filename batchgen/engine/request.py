@@ -1,0 +1,92 @@
+"""A request's state inside the engine, and the record it leaves when it finishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+from batchgen.engine.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token-level state of one request. Only the engine thread touches it.
+
+    Invariants: num_computed_tokens <= num_tokens; num_pending <= 1 when the scheduler runs
+    (a sampled token's value reaches the host one step after it was launched).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: params.seed or one derived from the engine seed and request_id
+    max_tokens: int  # prompt + max_new_tokens, capped by the model's context
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # KV written, or being written by a launched step
+    num_pending: int = 0  # sampled by a launched step; the value is not on the host yet
+    block_table: list[int] = field(default_factory=list)
+    slot: int = -1  # row of the device token relay while running, else -1
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the sequence has, counting sampled tokens not yet on the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def wants_step(self) -> bool:
+        """False once every token it may produce has been launched (only post-processing left)."""
+        return self.num_tokens < self.max_tokens
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
+
+    def stop_reason(self, token: int) -> str | None:
+        """Why the sequence ends after appending `token`, or None."""
+        if token in self.params.stop_token_ids:
+            return "stop"
+        if not self.params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if self.num_known_tokens >= self.max_tokens:
+            return "length"
+        return None
+
+
+class Prompt(NamedTuple):
+    """One input to Engine.generate: text or token ids, an optional id and sampling overrides."""
+
+    prompt: str | list[int]
+    request_id: str | None = None
+    sampling: SamplingParams | dict[str, Any] | None = None  # a dict overrides the call's params
+
+
+class RequestOutput(NamedTuple):
+    """What a finished request yields. finish_reason: "stop", "length" or "error"."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+    text: str | None = None

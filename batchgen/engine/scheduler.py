@@ -1,0 +1,145 @@
+"""Continuous batching: pick each step's decode tokens and prefill chunks under a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.request import Request, Status
+
+
+class ScheduledChunk(NamedTuple):
+    """One request's share of a step: positions [start, start + num_tokens)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk ends at the request's newest token, so the step samples the next one
+    relay_last: bool  # the newest token's value is still on the device (the token relay)
+
+
+class Batch(NamedTuple):
+    """A scheduled step. Chunks with one query token (decodes) come first."""
+
+    chunks: list[ScheduledChunk]
+    num_tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return sum(c.samples for c in self.chunks)
+
+
+class Scheduler:
+    """Owns the waiting queue and running list; hands blocks out through the BlockManager.
+
+    Scheduling a chunk advances request.num_computed_tokens at once and counts a sampled token
+    as pending, so the next step can be planned before this one's tokens reach the host.
+    """
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            i += 1
+            if not request.wants_step:
+                continue
+            size = self._chunk_size(request, budget)
+            if size == 0 or not self._make_room(request, size):
+                continue
+            chunks.append(self._take(request, size))
+            budget -= chunks[-1].num_tokens
+        budget = self._admit(chunks, budget)
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        return Batch(chunks, self.max_num_batched_tokens - budget)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stop, length or error) and give back its blocks and relay slot."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.chunked else 0
+
+    def _make_room(self, request: Request, size: int) -> bool:
+        """Preempt the newest running requests until request's chunk fits; False if it was one."""
+        end = request.num_computed_tokens + size
+        while not self.blocks.can_allocate(request, end):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending:  # preempted with a token in flight: wait for its value
+                break
+            size = self._chunk_size(request, budget)
+            if size == 0 or not self.blocks.can_allocate(request, size):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            request.slot = self._free_slots.pop()
+            self.running.append(request)
+            chunks.append(self._take(request, size))
+            budget -= size
+        return budget
+
+    def _take(self, request: Request, size: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        self.blocks.allocate(request, start + size)
+        request.num_computed_tokens = start + size
+        samples = request.num_computed_tokens == request.num_tokens
+        relay_last = request.num_pending > 0
+        if samples:
+            request.num_pending += 1
+        return ScheduledChunk(request, start, size, samples, relay_last)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop its KV; it goes back to the front of the queue."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.blocks.free(request)
+        self._free_slots.append(request.slot)
+        request.slot = -1

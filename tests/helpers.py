@@ -1,0 +1,41 @@
+"""Test helpers: Hugging Face greedy references and random prompts."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@functools.cache
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
+
+
+def hf_greedy(
+    path: Path, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
+    """Hugging Face generate, greedy; stops only at eos_token_id (None: runs to the limit)."""
+    model = hf_model(path)
+    kwargs: dict = {"eos_token_id": eos_token_id}
+    if eos_token_id is None:
+        kwargs["min_new_tokens"] = max_new_tokens
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]

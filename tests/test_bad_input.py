@@ -1,0 +1,85 @@
+"""Bad input: each bad request is an error result naming it; the others still complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
+from tests.helpers import hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(
+        model_dir("llama", max_position_embeddings=64), EngineConfig(device="cpu", dtype="float32")
+    )
+
+
+def test_bad_requests_become_errors_and_the_rest_complete(engine: Engine, model_dir) -> None:
+    good = random_prompts(2, 4, 10, 500, seed=1)
+    items = [
+        Prompt(good[0], request_id="good-0"),
+        Prompt("", request_id="empty-text"),
+        Prompt([], request_id="empty-ids"),
+        Prompt(list(range(5, 5 + 64)), request_id="too-long"),
+        Prompt(good[1], request_id="zero-new", sampling={"max_new_tokens": 0}),
+        Prompt(good[1], request_id="neg-temp", sampling={"temperature": -1.0}),
+        Prompt(good[1], request_id="unknown-field", sampling={"top_q": 0.5}),
+        Prompt([5, 10**9], request_id="bad-id"),
+        Prompt(None, request_id="none"),  # type: ignore[arg-type]
+        Prompt(good[1], request_id="good-1"),
+    ]
+    outs = {o.request_id: o for o in engine.generate(items, SamplingParams(max_new_tokens=8))}
+    assert set(outs) == {p.request_id for p in items}, "every request yields exactly one result"
+    errors = {k: o.error for k, o in outs.items() if o.finish_reason == "error"}
+    assert set(errors) == set(outs) - {"good-0", "good-1"}
+    for rid, message in errors.items():
+        assert message.startswith(f"request {rid}:")
+    assert "prompt is empty" in errors["empty-text"] and "prompt is empty" in errors["empty-ids"]
+    assert "64 tokens" in errors["too-long"] and "max_model_len" in errors["too-long"]
+    assert "max_new_tokens" in errors["zero-new"]
+    assert "temperature" in errors["neg-temp"]
+    assert "top_q" in errors["unknown-field"]
+    assert "outside the vocabulary" in errors["bad-id"]
+    path = model_dir("llama", max_position_embeddings=64)
+    for i in (0, 1):
+        expected = hf_greedy(path, good[i], 8, eos_token_id=engine.tokenizer.eos_token_id)
+        assert outs[f"good-{i}"].output_token_ids == expected
+
+
+def test_generation_stops_at_the_models_context(engine: Engine) -> None:
+    prompt = list(range(5, 5 + 60))
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.output_token_ids) == 64
+
+
+def test_duplicate_running_id_is_an_error(engine: Engine) -> None:
+    items = [Prompt([5, 6, 7], request_id="x"), Prompt([8, 9], request_id="x")]
+    outs = list(engine.generate(items, SamplingParams(max_new_tokens=4)))
+    assert sorted(o.finish_reason for o in outs) != ["error", "error"]
+    assert [o.error for o in outs if o.error] == [
+        "request x: id 'x' is already running: ids must be unique"
+    ]
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(BatchgenError, match=r"model path '.*nope' does not exist"):
+        Engine(str(tmp_path / "nope"))
+    with pytest.raises(BatchgenError, match=r"has no config\.json"):
+        Engine(str(tmp_path))
+
+
+def test_invalid_engine_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_kv_cache_too_small_for_one_request(model_dir) -> None:
+    path = model_dir("llama", max_position_embeddings=64)
+    with pytest.raises(BatchgenError, match="KV cache fits"):
+        Engine(path, EngineConfig(device="cpu", block_size=8, cpu_kv_cache_gib=1e-6))
