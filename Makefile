@@ -26,7 +26,9 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 demo: setup
-	$(BIN)/batchgen run $(JOB)
+	rm -rf out/demo
+	$(BIN)/batchgen run jobs/demo.toml
+	@echo "first results (out/demo/results.jsonl):" && head -n 3 out/demo/results.jsonl
 
 run: setup
 	$(BIN)/batchgen run $(JOB)

@@ -1,15 +1,126 @@
-"""The `batchgen` command line. Options map onto the config dataclasses; defaults live there."""
+"""The `batchgen` command line. Options map onto the spec's dataclasses; defaults live there."""
 
 from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from batchgen.errors import BatchgenError
 
+EXIT_USER_ERROR = 2
+# Shortcut options -> spec keys (a shortcut is the same as --set key=value).
+SHORTCUTS = {
+    "model": "model.path",
+    "input": "input.path",
+    "input_format": "input.format",
+    "output": "output.dir",
+    "output_format": "output.format",
+    "prompt_column": "prompt.column",
+    "template": "prompt.template",
+    "messages_column": "prompt.messages_column",
+    "max_new_tokens": "sampling.max_new_tokens",
+    "temperature": "sampling.temperature",
+}
+
+
+def _fail(exc: BaseException) -> None:
+    click.echo(f"batchgen: error: {exc}", err=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.argument("job", required=False, type=click.Path(dir_okay=False)),
+        click.option(
+            "--set",
+            "sets",
+            multiple=True,
+            metavar="SECTION.KEY=VALUE",
+            help="Override one spec value (repeatable), e.g. sampling.temperature=0.7",
+        ),
+        click.option("--model", help="Model folder, hub id or 'default'."),
+        click.option("--input", help="Input file, glob, directory, saved dataset or hub name."),
+        click.option("--input-format", help="auto, parquet, jsonl, arrow or hub."),
+        click.option("--output", help="Output directory (the checkpoint)."),
+        click.option("--output-format", help="parquet or jsonl."),
+        click.option("--prompt-column", help="Text column holding the prompt."),
+        click.option("--template", help="Prompt template over columns, e.g. 'Q: {question}'."),
+        click.option("--messages-column", help="Column of chat messages."),
+        click.option("--max-new-tokens", type=int),
+        click.option("--temperature", type=float),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> Any:
+    from batchgen.spec import load_spec
+
+    items = list(sets)
+    for name, key in SHORTCUTS.items():
+        value = shortcuts.get(name)
+        if value is not None:
+            items.append(f"{key}={json.dumps(value)}")
+    return load_spec(job, items)
+
 
 @click.group()
 def main() -> None:
     """Offline batch generation with a continuous-batching engine."""
+
+
+@main.command()
+@_spec_options
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--force-resume", is_flag=True, help="Resume an output directory whose job spec differs."
+)
+def run(
+    job: str | None, sets: tuple[str, ...], quiet: bool, force_resume: bool, **shortcuts: Any
+) -> None:
+    """Run JOB (a TOML spec) or a job given by options; resumes where it stopped."""
+    from batchgen.job import run_job
+
+    try:
+        spec = _load(job, sets + (("runtime.quiet=true",) if quiet else ()), shortcuts)
+        stop = threading.Event()
+        received: list[int] = []
+        with _stop_on_signals(stop, received):
+            result = run_job(spec, force_resume=force_resume, stop=stop)
+    except BatchgenError as exc:
+        _fail(exc)
+    summary = result.summary
+    click.echo(json.dumps(summary, indent=2))
+    if result.interrupted:
+        click.echo(
+            f"batchgen: interrupted; {summary['rows_committed_total']} rows are committed in "
+            f"{spec.output.dir}. Run the same command again to resume.",
+            err=True,
+        )
+        sys.exit(128 + (received[0] if received else signal.SIGINT))
+
+
+@main.command()
+@_spec_options
+def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
+    """Check JOB and its input without loading the model; print the resolved spec."""
+    from batchgen.job import check_job
+
+    try:
+        spec = _load(job, sets, shortcuts)
+        source = check_job(spec)
+    except BatchgenError as exc:
+        _fail(exc)
+    click.echo(json.dumps(spec.to_dict(), indent=2))
+    rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"
+    click.echo(f"ok: {source.description}, {rows} rows", err=True)
 
 
 @main.group()
@@ -22,7 +133,82 @@ def build_default() -> None:
     """Build the embedded tiny model (deterministic, offline) and print its folder."""
     from batchgen.models import default_model_path
 
+    click.echo(default_model_path())
+
+
+class _stop_on_signals:
+    """SIGINT/SIGTERM set `stop` (finish the step, commit, exit); a second SIGINT aborts."""
+
+    def __init__(self, stop: threading.Event, received: list[int]) -> None:
+        self.stop, self.received = stop, received
+        self.previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received.append(signum)
+        self.stop.set()
+        click.echo(
+            "\nbatchgen: stopping after the step in flight (Ctrl-C again to abort)", err=True
+        )
+
+    def __enter__(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+@main.command()
+@click.option("--shape", type=click.Choice(["8b", "1b"]), default="1b", show_default=True)
+@click.option(
+    "--workload", type=click.Choice(["W1", "W2", "W3", "W4"]), default="W1", show_default=True
+)
+@click.option(
+    "--systems",
+    default="overlap,sync,hf-static,hf-batch",
+    show_default=True,
+    help="Comma-separated: overlap, sync, hf-static, hf-batch.",
+)
+@click.option("--requests", type=int, help="Run fewer requests than the workload has.")
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="runtime.KEY=VALUE",
+    help="Engine settings, e.g. runtime.max_num_seqs=128.",
+)
+@click.option(
+    "--results",
+    type=click.Path(dir_okay=False),
+    default="benchmarks/RESULTS.md",
+    show_default=True,
+    help="Markdown file the table is appended to.",
+)
+def bench(
+    shape: str,
+    workload: str,
+    systems: str,
+    requests: int | None,
+    sets: tuple[str, ...],
+    results: str,
+) -> None:
+    """Time batchgen against Hugging Face on a random-weight model (needs a GPU)."""
+    from pathlib import Path
+
+    from batchgen.bench.run import SYSTEMS, record, run_bench, table
+    from batchgen.spec import engine_config
+
     try:
-        click.echo(default_model_path())
+        chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
+        unknown = [s for s in chosen if s not in SYSTEMS]
+        if unknown:
+            raise BatchgenError(f"unknown system {unknown[0]!r}: use {', '.join(SYSTEMS)}")
+        report = run_bench(shape, workload, chosen, engine_config(list(sets)), requests)
     except BatchgenError as exc:
-        raise click.ClickException(str(exc)) from exc
+        _fail(exc)
+    text = table(report)
+    record(report, text, Path(results), "batchgen bench " + " ".join(sys.argv[2:]))
+    click.echo(text)

@@ -96,7 +96,19 @@ class ReferenceBackend:
         write_kv_reference(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         cu, lens = meta.cu_seqlens_q_host, meta.context_lens_host
-        for i, ctx in enumerate(lens):
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = decode_batched(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.context_lens[:nd],
+                max(lens[:nd]),
+                scale,
+                window,
+            )
+        for i, ctx in enumerate(lens[nd:], start=nd):
             start, end = cu[i], cu[i + 1]
             keys, values = gather_sequence(k_cache, v_cache, meta.block_tables[i], ctx)
             mask = causal_mask(end - start, ctx, window, q.device)
@@ -115,6 +127,37 @@ def write_kv_reference(
     slots = slot_mapping[valid]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+def decode_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_ctx: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One SDPA for all one-token sequences. q: [B, H, D] -> [B, H, D]."""
+    block_size = k_cache.shape[1]
+    tables = block_tables[:, : (max_ctx + block_size - 1) // block_size].long()
+    keys = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]; -1 entries read a masked block
+    values = v_cache[tables].flatten(1, 2)
+    k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+    q_pos = (context_lens.long() - 1)[:, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None],
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0]
 
 
 def gather_sequence(

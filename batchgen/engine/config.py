@@ -18,7 +18,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after the model loads
     cpu_kv_cache_gib: float = 1.0  # KV cache size on the CPU device when num_kv_blocks is None
     max_num_seqs: int = 256  # cap on running requests
-    max_num_batched_tokens: int = 4096  # token budget of one step (decodes + prefill chunks)
+    max_num_batched_tokens: int = 8192  # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     overlap: bool = True  # launch step N+1 before post-processing N; False = synchronous oracle

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -76,11 +78,14 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         decode: bool = True,
+        stop: Event | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield each request's result as it finishes (not in input order).
 
         Prompts are pulled from the iterable only as the engine has room, so a caller can
         stream any number of them. A bad prompt yields an error result; the rest go on.
+        Once `stop` is set, the step in flight is finished and its results yielded; requests
+        still running are dropped (their prompts yield nothing).
         """
         params = params or SamplingParams()
         source = iter(enumerate(prompts))
@@ -99,8 +104,11 @@ class Engine:
                     if exhausted:
                         return
                     continue
-                for out in self.step():
+                stopping = stop is not None and stop.is_set()
+                for out in self.drain() if stopping else self.step():
                     yield self._with_text(out) if decode else out
+                if stopping:
+                    return
         finally:
             self.abort_all()
 
@@ -134,6 +142,11 @@ class Engine:
             raise RuntimeError("scheduler made no progress with nothing in flight")
         return self._postprocess(*previous) if previous is not None else []
 
+    def drain(self) -> list[RequestOutput]:
+        """Post-process the step in flight, launching nothing new."""
+        previous, self._in_flight = self._in_flight, None
+        return self._postprocess(*previous) if previous is not None else []
+
     def abort_all(self) -> None:
         """Drop every queued and running request (a caller stopped consuming results)."""
         if self._in_flight is not None:
@@ -150,6 +163,7 @@ class Engine:
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[RequestOutput]:
         tokens = wait_tokens(out)
+        now = time.perf_counter()
         finished = []
         for chunk, token in zip((c for c in batch.chunks if c.samples), tokens, strict=True):
             request = chunk.request
@@ -157,6 +171,8 @@ class Engine:
             if request.status is Status.FINISHED:
                 continue  # ended at the previous step; this token was launched before we knew
             request.output_token_ids.append(token)
+            if len(request.output_token_ids) == 1:
+                request.first_token_time = now
             reason = request.stop_reason(token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
@@ -167,6 +183,7 @@ class Engine:
                         request.prompt_token_ids,
                         request.output_token_ids,
                         reason,
+                        first_token_time=request.first_token_time,
                     )
                 )
         return finished

@@ -33,10 +33,12 @@ class Request:
     num_computed_tokens: int = 0  # KV written, or being written by a launched step
     num_pending: int = 0  # sampled by a launched step; the value is not on the host yet
     block_table: list[int] = field(default_factory=list)
-    slot: int = -1  # row of the device token relay while running, else -1
+    slot: int = -1  # row of the device token relay and block tables while running, else -1
+    num_synced_blocks: int = 0  # block_table entries already in the device block-table row
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    first_token_time: float = 0.0  # perf_counter when the first token reached the host
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,3 +92,4 @@ class RequestOutput(NamedTuple):
     finish_reason: str
     error: str | None = None
     text: str | None = None
+    first_token_time: float = 0.0  # perf_counter when its first token reached the host

@@ -7,13 +7,14 @@ from itertools import pairwise
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention import AttentionMetadata, KVCache, ReferenceBackend
+from batchgen.engine.attention import AttentionBackend, AttentionMetadata, KVCache, ReferenceBackend
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape, model_shape
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import DeviceStep, HostStep, Layout, prepare_step, unpack_step
+from batchgen.engine.step_inputs import HostStep, Layout, prepare_step, unpack_step, unpack_updates
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
@@ -26,6 +27,7 @@ def plan_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    reserve_bytes: int = 0,
 ) -> int:
     """How many KV blocks to allocate; an error if not even one full-length request fits."""
     per_block = KVCache.bytes_per_block(
@@ -35,10 +37,10 @@ def plan_num_blocks(
         return config.num_kv_blocks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * config.kv_cache_memory_fraction)
+        budget = int(free * config.kv_cache_memory_fraction) - reserve_bytes
     else:
         budget = int(config.cpu_kv_cache_gib * _GIB)
-    num_blocks = budget // per_block
+    num_blocks = max(0, budget // per_block)
     needed = blocks_for(max_model_len, config.block_size)
     if num_blocks < needed:
         raise BatchgenError(
@@ -49,8 +51,33 @@ def plan_num_blocks(
     return num_blocks
 
 
+def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    choice = config.attention_backend
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and _has_triton() else "reference"
+    if choice == "reference":
+        return ReferenceBackend()
+    if device.type != "cuda" and not _has_triton():
+        raise BatchgenError("attention_backend='triton' needs triton: pip install triton")
+    from batchgen.engine.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class ModelRunner:
-    """Owns the model, the KV cache, the token relay and the step buffers."""
+    """Owns the model, the KV cache, the device block tables, the token relay and the buffers.
+
+    Relay slots and block-table rows are indexed by the request's slot; row `pad_slot` serves
+    padding rows of graph-padded steps and points at a scratch KV block.
+    """
 
     def __init__(
         self,
@@ -65,53 +92,94 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.shape = model_shape(model)
+        self.max_model_len = max_model_len
+        s = self.shape
+        # one extra block: the scratch block that padding rows read and write
         self.kv_cache = KVCache.allocate(
-            self.shape.num_layers,
-            num_blocks,
+            s.num_layers,
+            num_blocks + 1,
             config.block_size,
-            self.shape.num_kv_heads,
-            self.shape.head_dim,
+            s.num_kv_heads,
+            s.head_dim,
             dtype,
             device,
         )
-        self.backend = ReferenceBackend()
-        self.sampler = Sampler(self.shape.vocab_size, device)
+        self.pad_slot = config.max_num_seqs
+        width = blocks_for(max_model_len, config.block_size)
+        # block_tables[slot]: [width] int32 KV block ids of the request in that slot, -1 unused
+        self.block_tables = torch.full(
+            (config.max_num_seqs + 1, width), -1, dtype=torch.int32, device=device
+        )
+        self.block_tables[self.pad_slot] = num_blocks
         # relay[slot]: the newest sampled token of the request in that slot, on the device
-        self.relay = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
-        max_blocks = blocks_for(max_model_len, config.block_size)
-        size = Layout.max_size(config.max_num_batched_tokens, config.max_num_seqs, max_blocks)
+        self.relay = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)
+        self.backend = make_backend(config, device)
+        self.sampler = Sampler(s.vocab_size, device)
+        fixed = Layout(config.max_num_batched_tokens, config.max_num_seqs, config.max_num_seqs, 0)
+        size = fixed.fixed_size + 3 * config.max_num_seqs * width
         self.transfer = Transfer(size, config.max_num_seqs, device)
+        # (start, end, graphed) CUDA events per step when a benchmark asks for a timeline
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] | None = None
+        self.graphs: DecodeGraphs | None = None
+        if (
+            device.type == "cuda"
+            and config.cuda_graphs
+            and getattr(self.backend, "graphable", False)
+        ):
+            self.graphs = DecodeGraphs(self, config.cuda_graph_batch_sizes)
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> StepOutput:
         """Queue the step's work on the device; the returned tokens arrive on the host later."""
-        host = prepare_step(batch, self.config.block_size, self.transfer.host_buffer())
-        step = unpack_step(self.transfer.to_device(host.layout.size), host.layout)
+        pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
+        host = prepare_step(batch, self.transfer.host_buffer(), pad_to, self.pad_slot)
+        flat = self.transfer.to_device(host.layout.size)
+        start = self._mark()
+        if host.layout.U:
+            updates = unpack_updates(flat, host.layout)
+            self.block_tables[updates[:, 0], updates[:, 1]] = updates[:, 2].int()
+        logits = self.graphs.replay(flat, host) if pad_to else self.forward(flat, host)
+        step = unpack_step(flat, host.layout)
+        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        if host.layout.S:
+            tokens = self.sampler(
+                logits, step.temperatures.float(), step.seeds, step.sample_pos, host.any_random
+            )
+            self.relay[step.sample_slots] = tokens
+        if start is not None:
+            self.timeline.append((start, self._mark(), bool(pad_to)))
+        return self.transfer.finish(tokens[: batch.num_samples])
+
+    def _mark(self) -> torch.cuda.Event | None:
+        if self.timeline is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
+        """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
+        step = unpack_step(flat, host.layout)
         ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
-        logits = self.model(
+        out = self.model(
             input_ids=ids[None],
             position_ids=step.positions[None],
             logits_to_keep=step.sample_idx,
             use_cache=False,
             batchgen_meta=self._metadata(host, step),
-        ).logits[0]
-        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        if host.layout.S:
-            tokens = self.sampler(
-                logits, step.temperatures, step.seeds, step.sample_pos, host.any_random
-            )
-            self.relay[step.sample_slots] = tokens
-        return self.transfer.finish(tokens)
+        )
+        return out.logits[0]
 
-    def _metadata(self, host: HostStep, step: DeviceStep) -> AttentionMetadata:
+    def _metadata(self, host: HostStep, step) -> AttentionMetadata:
         bs = self.config.block_size
-        tables = step.block_tables
-        slot_mapping = tables[step.seq_idx, step.positions // bs] * bs + step.positions % bs
+        tables = self.block_tables[step.seq_slots]  # [B, width]
+        blocks = tables[step.seq_idx, step.positions // bs].long()
+        slot_mapping = torch.where(blocks >= 0, blocks * bs + step.positions % bs, -1)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             cu_seqlens_q=step.cu_seqlens.int(),
             context_lens=step.context_lens.int(),
-            block_tables=tables.int(),
+            block_tables=tables,
             cu_seqlens_q_host=host.cu_seqlens,
             context_lens_host=host.context_lens,
             max_query_len=max(b - a for a, b in pairwise(host.cu_seqlens)),

@@ -46,10 +46,10 @@ class Sampler:
         positions: torch.Tensor,  # [S] int64: position the new token will take
         any_random: bool,  # host knows whether any row samples; skips the noise otherwise
     ) -> torch.Tensor:
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if not any_random:
             return greedy
+        logits = logits.float()
         noise = gumbel_noise(row_keys(seeds, positions), self.vocab_hash[: logits.shape[-1]])
         scaled = logits / temperatures.clamp(min=1e-6)[:, None] + noise
         return torch.where(temperatures > 0, scaled.argmax(dim=-1), greedy)

@@ -143,3 +143,4 @@ class Scheduler:
         self.blocks.free(request)
         self._free_slots.append(request.slot)
         request.slot = -1
+        request.num_synced_blocks = 0

@@ -1,0 +1,122 @@
+"""One benchmark run: build the model, run each system on the same prompts, print one table."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from batchgen.bench.systems import (
+    RunResult,
+    build_model,
+    match_rate,
+    percentile,
+    run_batchgen,
+    run_hf_generate_batch,
+    run_hf_static,
+)
+from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
+from batchgen.engine import EngineConfig
+from batchgen.errors import BatchgenError
+
+SYSTEMS = ("overlap", "sync", "hf-static", "hf-batch")
+
+
+def run_bench(
+    shape_name: str,
+    workload_name: str,
+    systems: tuple[str, ...],
+    config: EngineConfig,
+    requests: int | None = None,
+) -> dict:
+    if not torch.cuda.is_available():
+        raise BatchgenError("batchgen bench needs a CUDA GPU (it times real model shapes)")
+    shape, workload = SHAPES[shape_name], WORKLOADS[workload_name]
+    if requests is not None:
+        workload = replace(workload, requests=requests)
+    prompts = workload.prompts(shape.vocab)
+    model = build_model(shape)
+    results: list[RunResult] = []
+    infos: dict[str, dict] = {}
+    for system in systems:
+        if system in ("overlap", "sync"):
+            cfg = replace(config, overlap=system == "overlap")
+            result, infos[system] = run_batchgen(model, prompts, workload.output_tokens, cfg)
+        elif system == "hf-static":
+            result = run_hf_static(model, prompts, workload.output_tokens)
+        else:
+            result = run_hf_generate_batch(model, prompts, workload.output_tokens)
+        results.append(result)
+        print(f"  {result.system}: {result.tokens_per_s:,.0f} output tok/s", flush=True)
+    bound = roofline_seconds(shape, [len(p) for p in prompts], workload.output_tokens)
+    return {
+        "shape": shape_name,
+        "workload": workload.name,
+        "requests": workload.requests,
+        "results": results,
+        "infos": infos,
+        "roofline_s": bound,
+    }
+
+
+def table(report: dict) -> str:
+    results: list[RunResult] = report["results"]
+    hf = [r.tokens_per_s for r in results if r.system.startswith("HF")]
+    best_hf = max(hf) if hf else None
+    lines = [
+        f"{report['shape']} {report['workload']} ({report['requests']} requests), roofline "
+        f"{report['roofline_s']:.2f} s",
+        "| system | output tok/s | x best HF | of roofline | GPU idle (steady decode) "
+        "| TTFT p50 / p90 / p99 s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = f"{r.tokens_per_s / best_hf:.2f}x" if best_hf else "-"
+        idle = "-" if r.gpu_idle_share is None else f"{100 * r.gpu_idle_share:.1f}%"
+        ttft = (
+            "-"
+            if not r.ttft
+            else " / ".join(f"{percentile(r.ttft, q):.2f}" for q in (0.5, 0.9, 0.99))
+        )
+        lines.append(
+            f"| {r.system} | {r.tokens_per_s:,.0f} | {ratio} | "
+            f"{report['roofline_s'] / r.seconds:.1%} | {idle} | {ttft} |"
+        )
+    lines += _agreement(results)
+    for system, info in report["infos"].items():
+        lines.append(f"- {system}: {json.dumps(info)}")
+    return "\n".join(lines)
+
+
+def _agreement(results: list[RunResult]) -> list[str]:
+    by_name = {r.system: r for r in results}
+    out = []
+    ov, sy = by_name.get("batchgen overlapped"), by_name.get("batchgen synchronous")
+    if ov and sy:
+        out.append(
+            f"- overlapped == synchronous tokens: {ov.tokens == sy.tokens}; "
+            f"speed-up {ov.tokens_per_s / sy.tokens_per_s:.2f}x"
+        )
+    for r in results:
+        if r.system.startswith("HF") and ov:
+            rate, diverged = match_rate(ov.tokens, r.tokens)
+            out.append(
+                f"- bf16 greedy match vs {r.system}: {rate:.1%} of positions "
+                f"({diverged} of {len(r.tokens)} requests diverge somewhere)"
+            )
+    return out
+
+
+def record(report: dict, text: str, path: Path, command: str) -> None:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    header = (
+        f"\n## {stamp} — {report['shape']} {report['workload']} on {gpu}\n\n"
+        f"`{command}` (torch {torch.__version__}, python {platform.python_version()})\n\n"
+    )
+    with open(path, "a") as f:
+        f.write(header + text + "\n")

@@ -1,0 +1,180 @@
+"""The systems a benchmark compares, each run on the same prompts: batchgen (overlapped and
+synchronous) and Hugging Face (static-batch generate, generate_batch)."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import NamedTuple
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from batchgen.bench.workloads import Shape
+from batchgen.engine import Engine, EngineConfig, SamplingParams
+
+
+class RunResult(NamedTuple):
+    system: str
+    seconds: float
+    output_tokens: int
+    tokens: list[list[int]]  # per request, in prompt order
+    ttft: list[float]  # seconds from the start to each request's first token (empty if unknown)
+    gpu_idle_share: float | None  # of steady (graphed) decode time
+    notes: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def build_model(shape: Shape, seed: int = 0) -> PreTrainedModel:
+    """A random-weight Llama of the shape, in bf16 on the GPU (no download)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape.llama_config(), bos_token_id=128000, eos_token_id=128001)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config = GenerationConfig(
+        bos_token_id=128000, eos_token_id=None, pad_token_id=0
+    )
+    return model.eval()
+
+
+def run_batchgen(
+    model: PreTrainedModel, prompts: list[list[int]], output_tokens: int, config: EngineConfig
+) -> tuple[RunResult, dict]:
+    """One timed engine run (after a short warm-up that compiles kernels)."""
+    engine = Engine(model, config)
+    warmup = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    list(engine.generate([p[:64] for p in prompts[:8]], warmup, decode=False))
+    engine.runner.timeline = []
+    params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = {int(o.request_id): o for o in engine.generate(prompts, params, decode=False)}
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = [outs[i].output_token_ids for i in range(len(prompts))]
+    ttft = [outs[i].first_token_time - start for i in range(len(prompts))]
+    graphs = engine.runner.graphs
+    info = {
+        "kv_blocks": engine.num_blocks,
+        "graph_capture_s": graphs.report.seconds if graphs else None,
+        "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+    idle = gpu_idle_share(engine.runner.timeline)
+    name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
+    del engine, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle, ""), info
+
+
+def gpu_idle_share(timeline: list | None, skip: int = 5) -> float | None:
+    """Share of steady decode time the GPU spent between graphed steps: the gap from one
+    step's end event to the next step's start event, over the span of those steps."""
+    if not timeline:
+        return None
+    steady = [i for i in range(skip, len(timeline) - 1) if timeline[i][2] and timeline[i + 1][2]]
+    if not steady:
+        return None
+    idle = sum(timeline[i][1].elapsed_time(timeline[i + 1][0]) for i in steady)
+    busy = sum(timeline[i][0].elapsed_time(timeline[i][1]) for i in steady)
+    return idle / (idle + busy)
+
+
+def run_hf_static(
+    model: PreTrainedModel, prompts: list[list[int]], output_tokens: int, batch_size: int = 64
+) -> RunResult:
+    """model.generate on static, left-padded batches of batch_size (sdpa attention)."""
+    model.set_attn_implementation("sdpa")
+    tokens: list[list[int]] = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=output_tokens,
+                min_new_tokens=output_tokens,
+            )
+        tokens.extend(out[:, width:].tolist())
+    seconds = time.perf_counter() - start
+    return RunResult(
+        f"HF generate (static batches of {batch_size})",
+        seconds,
+        sum(map(len, tokens)),
+        tokens,
+        [],
+        None,
+        "",
+    )
+
+
+def run_hf_generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], output_tokens: int
+) -> RunResult:
+    """transformers' continuous batching (generate_batch, synchronous, paged sdpa)."""
+    from transformers import ContinuousBatchingConfig
+
+    model.set_attn_implementation("sdpa")
+    cb = ContinuousBatchingConfig(use_async_batching=False)
+    gen = GenerationConfig(
+        max_new_tokens=output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        outs = model.generate_batch(
+            prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True
+        )
+    seconds = time.perf_counter() - start
+    ordered = sorted(outs.values(), key=lambda o: int(o.request_id.split("_")[-1]))
+    tokens = [o.generated_tokens for o in ordered]
+    ttft = [o.timestamps[0] - start for o in ordered if o.timestamps]
+    return RunResult(
+        "HF generate_batch (sync, paged sdpa)",
+        seconds,
+        sum(map(len, tokens)),
+        tokens,
+        ttft,
+        None,
+        "",
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def match_rate(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
+    """Share of positions inside the agreeing prefix of each pair; -> (rate, diverged count)."""
+    same = total = diverged = 0
+    for x, y in zip(a, b, strict=True):
+        n = next(
+            (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y))
+        )
+        same += n
+        total += max(len(x), len(y))
+        diverged += n < max(len(x), len(y))
+    return same / max(total, 1), diverged
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,105 @@
+"""Model shapes, workloads W1-W4 and the roofline bound of shared/DESIGN.md."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+COPY_BANDWIDTH = 4.25e12  # bytes/s, device copy (read + write) measured on the H200
+MATMUL_PEAK = 790e12  # bf16 FLOP/s measured on the H200
+BYTES = 2  # bf16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights read per decode step: every layer, the final norm and the lm_head."""
+        return self.layers * self.layer_params + self.hidden + self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES
+
+    def llama_config(self) -> dict:
+        return dict(
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab,
+            tie_word_embeddings=self.tied,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        )
+
+
+SHAPES = {
+    "8b": Shape("8b", 4096, 32, 32, 8, 14336, 128256, tied=False),
+    "1b": Shape("1b", 2048, 16, 32, 8, 8192, 128256, tied=True),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    prompt_range: tuple[int, int]
+    output_tokens: int
+    shared_prefix: int = 0
+
+    def prompts(self, vocab: int, seed: int = 0) -> list[list[int]]:
+        """Seeded random prompt token ids (a shared prefix first where the workload has one)."""
+        rng = random.Random(seed)
+        low_id, high_id = 1000, vocab - 1000  # stay clear of special tokens
+        prefix = [rng.randrange(low_id, high_id) for _ in range(self.shared_prefix)]
+        out = []
+        for _ in range(self.requests):
+            n = rng.randint(*self.prompt_range)
+            out.append(prefix + [rng.randrange(low_id, high_id) for _ in range(n)])
+        return out
+
+
+WORKLOADS = {
+    "W1": Workload("W1", 256, (128, 512), 256),
+    "W2": Workload("W2", 64, (128, 512), 2048),
+    "W3": Workload("W3", 512, (1024, 4096), 32),
+    "W4": Workload("W4", 1024, (64, 256), 128, shared_prefix=1024),
+}
+
+
+def roofline_seconds(shape: Shape, prompt_lens: list[int], output_tokens: int) -> float:
+    """Prefill as compute, then each decode step of all requests at once as
+    max(bytes / bandwidth, flops / peak); bytes = weights + lm_head + the KV cache read."""
+    n = len(prompt_lens)
+    attn_flops_per_pair = 4 * shape.heads * shape.head_dim * shape.layers  # q.k and p.v
+    prefill = sum(
+        2 * shape.matmul_params * p + attn_flops_per_pair * p * p / 2 for p in prompt_lens
+    )
+    total = prefill / MATMUL_PEAK
+    ctx = sum(prompt_lens)
+    for _ in range(output_tokens):
+        ctx += n
+        nbytes = shape.matmul_params * BYTES + ctx * shape.kv_bytes_per_token
+        flops = 2 * shape.matmul_params * n + attn_flops_per_pair * ctx
+        total += max(nbytes / COPY_BANDWIDTH, flops / MATMUL_PEAK)
+    return total

@@ -1,0 +1,89 @@
+"""CUDA graphs for decode steps at bucketed batch sizes, captured once at start-up.
+
+A decode-only step (every sequence has one query token and samples) of B sequences is padded
+to the smallest captured size >= B; its fixed metadata is copied into the graph's static input
+buffer and the graph replays the whole forward pass to logits. Sampling stays outside the graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from batchgen.engine.scheduler import Batch
+from batchgen.engine.step_inputs import HostStep, Layout, prepare_step
+
+if TYPE_CHECKING:
+    from batchgen.engine.runner import ModelRunner
+
+
+class CaptureReport(NamedTuple):
+    sizes: tuple[int, ...]
+    seconds: float
+    pool_bytes: int  # device memory the graphs hold (allocated while capturing)
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+        limit = min(runner.config.max_num_seqs, runner.config.max_num_batched_tokens)
+        self.sizes = sorted({s for s in sizes if s <= limit})
+        self.runner = runner
+        biggest = self.sizes[-1] if self.sizes else 0
+        self.static = torch.zeros(
+            Layout(biggest, biggest, biggest, 0).fixed_size,
+            dtype=torch.int64,
+            device=runner.device,
+        )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.report = self._capture_all()
+
+    def padded_size(self, batch: Batch) -> int:
+        """The graph size this step replays at, or 0 to run it eagerly."""
+        b = len(batch.chunks)
+        if b == 0 or batch.num_tokens != b or batch.num_samples != b:
+            return 0
+        i = bisect.bisect_left(self.sizes, b)
+        return self.sizes[i] if i < len(self.sizes) else 0
+
+    def replay(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
+        layout = host.layout
+        graph, logits = self.graphs[layout.B]
+        self.static[: layout.fixed_size].copy_(flat[: layout.fixed_size])
+        graph.replay()
+        return logits
+
+    @torch.inference_mode()
+    def _capture_all(self) -> CaptureReport:
+        device = self.runner.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            self.graphs[size] = self._capture(size, pool)
+        torch.cuda.synchronize(device)
+        return CaptureReport(
+            tuple(self.sizes),
+            time.perf_counter() - started,
+            torch.cuda.memory_allocated(device) - before,
+        )
+
+    def _capture(self, size: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture a step of `size` padding rows (valid inputs that touch only scratch)."""
+        host_buf = torch.zeros(Layout(size, size, size, 0).fixed_size, dtype=torch.int64)
+        host = prepare_step(Batch([], 0), host_buf, size, self.runner.pad_slot)
+        self.static[: host.layout.fixed_size].copy_(host_buf)
+        flat = self.static
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out
+                self.runner.forward(flat, host)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.runner.forward(flat, host)
+        return graph, logits

@@ -1,0 +1,310 @@
+"""Paged decode attention, flash-decoding style: one query token per sequence.
+
+Grid (num_seqs, num_kv_heads, num_splits). A program attends all H/Hkv query heads of one KV
+head (padded to >= 16 rows so tl.dot applies) over one partition of the KV range, walking the
+block table. With one split it writes the output directly; otherwise it writes a normalized
+partial output and its log2-sum-exp, and _combine_kernel merges the splits. Context lengths are
+read on the device and the last split runs to the end of its context, so (num_splits,
+partition_size) only tune speed: a launch is correct, and CUDA-graph capturable, for any
+contexts. Splits past a context exit at once and the combine skips them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_DOT_ROWS = 16  # tl.dot operands need >= 16 rows; a GQA group is padded up to this
+NO_WINDOW = 1 << 30  # window passed to the kernels when there is none (> any context)
+
+
+@triton.jit
+def _split_range(ctx, window, split, num_splits, partition_size):
+    """Keys [start, end) of split(s) for a query at ctx - 1; the last split runs to ctx, so any
+    (num_splits, partition_size) is correct. Empty (start >= end) splits hold no keys."""
+    start = tl.maximum(split * partition_size, ctx - window)
+    end = tl.where(split == num_splits - 1, ctx, tl.minimum((split + 1) * partition_size, ctx))
+    return start, end
+
+
+@triton.jit
+def kv_row_offsets(
+    bt_row_ptr, stride_btw, pos, valid, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr
+):
+    """pos: [N] key positions -> [N] int64 cache offsets of their rows (invalid: block 0)."""
+    block = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_btw, mask=valid, other=0)
+    return block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """s: [M, N] log2-scaled scores (-inf = masked), v: [N, D]; running max/sum/acc per row."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]; v_cache has the same strides
+    v_cache_ptr,
+    block_tables_ptr,  # [B, W] int32
+    context_lens_ptr,  # [B] int32
+    out_ptr,  # [B, H, D] (DIRECT: one split) or [B, H, S, D] fp32 partials
+    lse_ptr,  # [B, H, S] fp32 log2-sum-exp of each partial (unused when DIRECT)
+    scale_log2,
+    window,
+    partition_size,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_btb,
+    stride_btw,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start, end = _split_range(ctx, window, split, tl.num_programs(2), partition_size)
+    if not DIRECT:  # noqa: SIM102 (compile-time branch around a runtime one)
+        if start >= end:
+            return  # no keys here: the combine skips this split
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g  # [BLOCK_G] query heads sharing this KV head
+    io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=io_mask)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    head_off = kv_head * stride_ch + d[None, :]
+    for n0 in range(start // BLOCK_N * BLOCK_N, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = (pos >= start) & (pos < end)
+        rows = kv_row_offsets(bt_row, stride_btw, pos, valid, stride_cb, stride_cs, BLOCK_SIZE)
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + head_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + head_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION)
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (ctx 0): zeros
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if not DIRECT:
+        lse_row = (b * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2)
+        tl.store(lse_ptr + lse_row + split, m_i + tl.log2(l_i), mask=g < GROUP)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,  # [B, H, S, D] fp32, normalized partial outputs
+    lse_ptr,  # [B, H, S] fp32
+    context_lens_ptr,  # [B] int32
+    out_ptr,  # [B, H, D]
+    window,
+    partition_size,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + b)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    start, end = _split_range(ctx, window, s, num_splits, partition_size)
+    valid = (start < end) & (s < num_splits)  # [BLOCK_S] splits the decode kernel wrote
+    row = (b * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(lse_ptr + row + s, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
+    part_ptrs = part_ptr + (row + s[:, None]) * HEAD_DIM + d[None, :]
+    part = tl.load(part_ptrs, mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def plan_decode_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    *,
+    target_programs: int,
+    min_partition: int = 256,
+    max_splits: int = 64,
+    block_n: int = 64,
+) -> tuple[int, int]:
+    """-> (num_splits, partition_size): about target_programs programs over max_context keys.
+
+    Any result is correct; it is fast when max_context bounds the contexts the launch will see
+    (under CUDA-graph capture: the block tables' width * block_size).
+    """
+    max_context = max(max_context, 1)
+    wanted = math.ceil(target_programs / max(num_seqs * num_kv_heads, 1))
+    cap = min(max_splits, math.ceil(max_context / min_partition))
+    num_splits = max(1, min(wanted, cap))
+    partition = math.ceil(math.ceil(max_context / num_splits) / block_n) * block_n
+    return math.ceil(max_context / partition), partition
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
+    num_seqs: int | None = None,
+    num_splits: int = 1,
+    partition_size: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged KV; returns out [B, H, D] (q's dtype).
+
+    q: [>= B, H, D] (any strides); row b < B = num_seqs (default q.shape[0]) is sequence b's
+    query, at position context_lens[b] - 1. Caches: [num_blocks, block_size, Hkv, D] (same
+    strides). block_tables: [>= B, W] int32; context_lens: [>= B] int32, read on the device
+    (0 gives zeros). window: keys with q_pos - k_pos >= window are masked. The KV range is cut
+    into num_splits partitions of partition_size keys (default: the tables' capacity / splits;
+    a multiple of block_n), the last running to the context's end. out: optional [>= B, H, D]
+    buffer (contiguous last dim); its rows >= B are untouched.
+    """
+    num_seqs = q.shape[0] if num_seqs is None else num_seqs
+    capacity = max(block_tables.shape[1] * k_cache.shape[1], 1)
+    if partition_size is None:
+        partition_size = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    out = _check_decode(q, k_cache, v_cache, out, num_splits, partition_size, block_n)
+    if num_seqs == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    consts = _decode_consts(q, k_cache, block_n, num_splits, num_warps, num_stages)
+    grid = (num_seqs, k_cache.shape[2], num_splits)
+    args = (q, k_cache, v_cache, block_tables, context_lens)
+    sizes = (scale * LOG2E, window or NO_WINDOW, partition_size, *q.stride()[:2])
+    strides = (*k_cache.stride()[:3], *block_tables.stride())
+    if num_splits == 1:
+        ostrides = (*out.stride()[:2], 0)
+        _decode_kernel[grid](*args, out, out, *sizes, *strides, *ostrides, **consts)
+        return out
+    num_heads, head_dim = q.shape[1:]
+    part = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
+    _decode_kernel[grid](*args, part, lse, *sizes, *strides, *part.stride()[:3], **consts)
+    _combine_kernel[(num_seqs, num_heads)](
+        part, lse, context_lens, out, window or NO_WINDOW, partition_size, num_splits,
+        *out.stride()[:2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
+
+
+def _decode_consts(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_n: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+) -> dict[str, object]:
+    group = q.shape[1] // k_cache.shape[2]
+    return {
+        "GROUP": group,
+        "HEAD_DIM": q.shape[2],
+        "BLOCK_G": max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        "BLOCK_D": triton.next_power_of_2(q.shape[2]),
+        "BLOCK_N": block_n,
+        "BLOCK_SIZE": k_cache.shape[1],
+        "DIRECT": num_splits == 1,
+        "PRECISION": dot_precision(q.dtype),
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
+
+
+def _check_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    num_splits: int,
+    partition_size: int,
+    block_n: int,
+) -> torch.Tensor:
+    """Validate; -> the output buffer (allocated when out is None)."""
+    check_paged_args(q, k_cache, v_cache)
+    if num_splits < 1 or partition_size < block_n or partition_size % block_n:
+        raise ValueError(
+            f"num_splits={num_splits} must be >= 1 and partition_size={partition_size} a "
+            f"positive multiple of block_n={block_n}"
+        )
+    return output_buffer(q, out)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact products (tf32 would lose ~1e-3); others ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """out, checked, or a new [T, H, D] tensor of q's dtype."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} must be [.., {q.shape[1]}, {q.shape[2]}] "
+            f"{q.dtype} with a contiguous last dimension"
+        )
+    return out
+
+
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Shapes and strides the paged kernels rely on; ValueError naming the mismatch."""
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("KV caches must have a contiguous last (head_dim) dimension")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q [.., {num_heads}, {head_dim}] does not fit caches {tuple(k_cache.shape)}: "
+            "head_dim must match and num_heads be a multiple of num_kv_heads"
+        )
+    if head_dim < 16:
+        raise ValueError(f"head_dim={head_dim}: the kernels need head_dim >= 16 for tl.dot")

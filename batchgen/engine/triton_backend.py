@@ -1,0 +1,152 @@
+"""Triton attention backend: fused KV write, paged decode (flash-decoding), paged varlen prefill.
+
+Triton is imported when a TritonBackend is built, never at module import, so CPU-only installs
+can import this module.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+from batchgen.engine.attention import AttentionMetadata
+
+PROGRAMS_PER_SM = 4  # decode programs wanted per SM before the KV range is split further
+CPU_TARGET_PROGRAMS = 8  # the interpreter has no SMs: a small number keeps tests quick
+
+
+@dataclass(frozen=True)
+class TritonTuning:
+    """Tile sizes and split policy; defaults are for bf16 Llama shapes on an H200."""
+
+    decode_block_n: int = 64
+    decode_min_partition: int = 256
+    decode_max_splits: int = 64
+    prefill_block_m: int = 64
+    prefill_small_block_m: int = 16  # for steps whose prefill chunks are all this short
+    prefill_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "decode_block_n",
+            "prefill_block_m",
+            "prefill_small_block_m",
+            "prefill_block_n",
+        ):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value}: must be a power of two >= 16")
+        if self.decode_min_partition % self.decode_block_n:
+            raise ValueError(
+                f"decode_min_partition={self.decode_min_partition}: must be a multiple of "
+                f"decode_block_n={self.decode_block_n}"
+            )
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """One step's launch parameters, from host-side metadata only (computed once per step)."""
+
+    num_decodes: int  # sequences [0, num_decodes) have one query token, at rows [0, num_decodes)
+    num_splits: int
+    partition_size: int
+    num_prefills: int  # sequences [num_decodes, B)
+    num_prefill_tokens: int
+    prefill_block_m: int
+
+
+class TritonBackend:
+    """AttentionBackend on Triton kernels: write K/V, then decode rows, then prefill rows."""
+
+    def __init__(self, tuning: TritonTuning | None = None) -> None:
+        from batchgen.engine import kernels  # imports triton
+
+        self.kernels = kernels
+        self.tuning = tuning or TritonTuning()
+        self._planned: AttentionMetadata | None = None  # kept alive so its id is not reused
+        self._plan: TritonPlan | None = None
+
+    def plan(self, meta: AttentionMetadata) -> TritonPlan:
+        """The step's plan, computed on the first layer and reused while meta is the same."""
+        if meta is not self._planned or self._plan is None:
+            self._plan = self._make_plan(meta)
+            self._planned = meta
+        return self._plan
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; also writes k/v into the cache."""
+        plan, kern, tune = self.plan(meta), self.kernels, self.tuning
+        k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
+        kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.num_decodes:
+            kern.paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits,
+                partition_size=plan.partition_size, out=out, block_n=tune.decode_block_n,
+                num_warps=tune.num_warps, num_stages=tune.num_stages,
+            )  # fmt: skip
+        if plan.num_prefills:
+            kern.paged_prefill(
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                scale, num_tokens=plan.num_prefill_tokens, first_seq=plan.num_decodes,
+                num_seqs=plan.num_prefills, window=window, out=out,
+                block_m=plan.prefill_block_m, block_n=tune.prefill_block_n,
+                num_warps=tune.num_warps, num_stages=tune.num_stages,
+            )  # fmt: skip
+        return out
+
+    def _make_plan(self, meta: AttentionMetadata) -> TritonPlan:
+        tune, cu = self.tuning, meta.cu_seqlens_q_host
+        num_decodes = meta.num_decodes
+        num_seqs = len(cu) - 1
+        k_cache = meta.kv_cache.keys[0]
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            max_context = meta.block_tables.shape[1] * block_size  # replays may see any length
+        else:
+            max_context = max(meta.context_lens_host[:num_decodes], default=1)
+        num_splits, partition = self.kernels.plan_decode_splits(
+            num_decodes,
+            num_kv_heads,
+            max_context,
+            target_programs=_target_programs(k_cache.device),
+            min_partition=tune.decode_min_partition,
+            max_splits=tune.decode_max_splits,
+            block_n=tune.decode_block_n,
+        )
+        longest = max((b - a for a, b in pairwise(cu[num_decodes:])), default=0)
+        small = longest <= tune.prefill_small_block_m
+        return TritonPlan(
+            num_decodes=num_decodes,
+            num_splits=num_splits,
+            partition_size=partition,
+            num_prefills=num_seqs - num_decodes,
+            num_prefill_tokens=cu[-1] - cu[num_decodes],
+            prefill_block_m=tune.prefill_small_block_m if small else tune.prefill_block_m,
+        )
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_TARGET_PROGRAMS
+    return PROGRAMS_PER_SM * _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

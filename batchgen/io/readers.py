@@ -1,0 +1,375 @@
+"""Input readers: stream rows from Parquet, JSONL, a save_to_disk folder or a hub dataset.
+
+Nothing here reads a whole input: Parquet goes record batch by record batch, JSONL line by
+line, saved datasets through their memory map. A problem with the input as a whole (missing
+path, corrupt Parquet) raises BatchgenError from `open_input`; a bad JSONL line becomes a
+RawRow with `values=None` and an `error`, and the job goes on.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError
+
+FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub")
+EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
+    (".jsonl", ".json", ".ndjson"), "jsonl"
+)
+SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+SCHEMA_SAMPLE_LINES = 100  # JSONL columns = union of keys of this many parseable lines
+COUNT_CHUNK_BYTES = 1 << 20  # JSONL files are counted (and sniffed) in chunks of this size
+PARQUET_BUFFER_BYTES = 1 << 20  # column chunks are read through a buffer of this size
+MAX_REASON_CHARS = 300  # an underlying exception's text, cut to keep messages one line
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # name or owner/name
+_FILE_SUFFIXES = {*EXTENSIONS, ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz"}
+_BLANK_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*\n", re.MULTILINE)  # the bytes.strip() set
+_BLANK_AFTER_FIRST = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number"}
+
+Values = dict[str, Any]
+Parsed = tuple[Values | None, str | None]  # (values, None) or (None, error)
+RowReader = Callable[[list[str] | None], Iterator[Parsed]]  # columns -> rows in input order
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where the prompts come from."""
+
+    path: str  # a file, a glob, a folder of files, a save_to_disk folder, or a hub dataset name
+    format: str = "auto"  # auto | parquet | jsonl | arrow (save_to_disk folder) | hub
+    split: str = "train"  # for save_to_disk DatasetDict folders and hub datasets
+    batch_rows: int = 1024  # rows per record batch
+
+    def __post_init__(self) -> None:
+        path_ok = isinstance(self.path, str) and bool(self.path.strip())
+        _check(path_ok, "path", self.path, "a file, folder, glob or hub dataset name")
+        _check(self.format in FORMATS, "format", self.format, f"one of {', '.join(FORMATS)}")
+        _check(bool(self.split), "split", self.split, "a split name such as 'train'")
+        batch_ok = isinstance(self.batch_rows, int) and self.batch_rows >= 1
+        _check(batch_ok, "batch_rows", self.batch_rows, "an integer >= 1")
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")
+
+
+class RawRow(NamedTuple):
+    """One input row, before any prompt handling."""
+
+    index: int  # 0-based position in the whole input stream (across files, in sorted order)
+    values: Values | None  # the row's columns; None when the row could not be parsed
+    error: str | None  # why not, e.g. "data.jsonl line 17: malformed JSON: ..."
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """An opened input: what is known up front, and a way to stream its rows."""
+
+    columns: list[str]  # column names known before any model work
+    num_rows: int | None  # rows in the input when cheaply known, else None
+    description: str  # e.g. "3 parquet files under data/"
+    batch_rows: int
+    read_rows: RowReader = field(repr=False)
+
+    def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
+        """Stream lists of up to batch_rows rows in input order.
+
+        columns: give each parsed row exactly these keys (absent ones are None); None = all.
+        """
+        batch: list[RawRow] = []
+        for index, (values, error) in enumerate(self.read_rows(columns)):
+            batch.append(RawRow(index, values, error))
+            if len(batch) == self.batch_rows:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def open_input(config: InputConfig) -> InputSource:
+    """Open the input named by `config`; raises BatchgenError for a job-level problem."""
+    local = Path(config.path).expanduser()
+    if config.format == "hub":
+        return _open_hub(config)
+    is_saved = local.is_dir() and any((local / m).is_file() for m in SAVED_DATASET_MARKERS)
+    if config.format == "arrow" or (config.format == "auto" and is_saved):
+        return _open_saved(config)
+    files = _find_files(config)
+    if files is None:  # not a local path, but shaped like a hub dataset name
+        return _open_hub(config)
+    fmt = _format_of(files, config.path) if config.format == "auto" else config.format
+    return (_open_parquet if fmt == "parquet" else _open_jsonl)(files, config)
+
+
+def _find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
+    """[(path, name used in messages)] in read order; None = try the hub instead."""
+    raw = config.path
+    path = Path(raw).expanduser()
+    if glob.has_magic(raw):
+        matches = sorted(m for m in glob.glob(str(path), recursive=True) if Path(m).is_file())
+        if not matches:
+            raise BatchgenError(f"no files match {raw!r}: check the pattern")
+        return [(Path(m), m) for m in matches]
+    if path.is_file():
+        return [(path, raw)]
+    if path.is_dir():
+        wanted = {ext for ext, kind in EXTENSIONS.items() if config.format in ("auto", kind)}
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix.lower() in wanted
+            and p.is_file()
+            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise BatchgenError(
+                f"folder {raw!r} holds no {'/'.join(sorted(wanted))} files: give a data file, "
+                "a folder of them, a glob, or a datasets.save_to_disk folder"
+            )
+        return [(p, p.relative_to(path).as_posix()) for p in files]
+    suffix = path.suffix.lower()
+    looks_hub = (
+        bool(_HUB_NAME.match(raw)) and suffix not in _FILE_SUFFIXES and ("/" in raw or not suffix)
+    )
+    if config.format == "auto" and looks_hub:
+        return None
+    raise BatchgenError(f"input {raw!r} does not exist: check the path")
+
+
+def _format_of(files: list[tuple[Path, str]], raw: str) -> str:
+    unknown = [name for path, name in files if path.suffix.lower() not in EXTENSIONS]
+    if unknown:
+        raise BatchgenError(
+            f"cannot tell the format of {unknown[0]!r} from its extension: rename it to "
+            f"{'/'.join(EXTENSIONS)}, or set the input format to parquet or jsonl"
+        )
+    kinds = {EXTENSIONS[path.suffix.lower()] for path, _ in files}
+    if len(kinds) > 1:
+        raise BatchgenError(f"{raw!r} mixes parquet and jsonl files: point at one kind only")
+    return kinds.pop()
+
+
+def _describe(files: list[tuple[Path, str]], kind: str, raw: str) -> str:
+    if len(files) == 1 and files[0][1] == raw:
+        return f"{kind} file {raw}"
+    where = "matching" if glob.has_magic(raw) else "under"
+    return f"{len(files)} {kind} file{'s' if len(files) > 1 else ''} {where} {raw}"
+
+
+def _reason(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:MAX_REASON_CHARS]
+
+
+def _project(values: Values, columns: list[str] | None) -> Values:
+    return values if columns is None else {c: values.get(c) for c in columns}
+
+
+def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
+    columns: dict[str, None] = {}  # ordered union of the files' column names
+    num_rows = 0
+    for path, name in files:
+        try:  # reads only the footer: catches non-parquet and truncated files up front
+            meta = pq.read_metadata(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise BatchgenError(
+                f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
+            ) from exc
+        num_rows += meta.num_rows
+        columns.update(dict.fromkeys(meta.schema.to_arrow_schema().names))
+    description = _describe(files, "parquet", config.path)
+    reader = partial(_parquet_rows, files, config.batch_rows)
+    return InputSource(list(columns), num_rows, description, config.batch_rows, reader)
+
+
+def _parquet_rows(
+    files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None
+) -> Iterator[Parsed]:
+    for path, name in files:
+        try:
+            # pre_buffer (on by default) would read a whole row group's column chunks at once
+            with pq.ParquetFile(path, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False) as pf:
+                names = pf.schema_arrow.names
+                # read one column even when no wanted one is present, so rows still count
+                read = None if columns is None else [c for c in columns if c in names] or names[:1]
+                batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
+                for batch in batches:
+                    for values in batch.to_pylist():
+                        yield _project(values, columns), None
+        except (pa.ArrowException, OSError) as exc:
+            raise BatchgenError(
+                f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
+            ) from exc
+
+
+def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
+    num_rows = sum(_scan_jsonl(path, name) for path, name in files)
+    columns = _sample_columns(files[0][0])
+    description = _describe(files, "jsonl", config.path)
+    reader = partial(_jsonl_rows, files)
+    return InputSource(columns, num_rows, description, config.batch_rows, reader)
+
+
+def _sample_columns(path: Path) -> list[str]:
+    """Ordered union of the keys of the first SCHEMA_SAMPLE_LINES parseable lines."""
+    columns: dict[str, None] = {}
+    sampled = 0
+    for _, raw in _jsonl_lines(path):
+        values, _ = _parse(raw, "")
+        if values is not None:
+            columns.update(dict.fromkeys(values))
+            sampled += 1
+            if sampled == SCHEMA_SAMPLE_LINES:
+                break
+    return list(columns)
+
+
+def _scan_jsonl(path: Path, name: str) -> int:
+    """Count non-blank lines over binary chunks; reject a JSON document (array, pretty object)."""
+    rows = 0
+    partial_blank = True  # the unterminated line read so far is whitespace only
+    try:
+        with path.open("rb") as f:
+            if _is_json_document(f.read(COUNT_CHUNK_BYTES)):
+                raise BatchgenError(
+                    f"{name!r} is one JSON document, not JSON Lines (one object per line): "
+                    f"convert it, e.g. jq -c '.[]' {name} > data.jsonl"
+                )
+            f.seek(0)
+            while chunk := f.read(COUNT_CHUNK_BYTES):
+                first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
+                if first < 0:
+                    partial_blank = partial_blank and not chunk.strip()
+                    continue
+                rows += not (partial_blank and not chunk[:first].strip())
+                body = chunk[first + 1 : last + 1]  # whole lines, each ending in b"\n"
+                rows += body.count(b"\n")
+                if _BLANK_LINE.match(body) or _BLANK_AFTER_FIRST.search(body):  # rare
+                    rows -= len(_BLANK_LINE.findall(body))
+                partial_blank = not chunk[last + 1 :].strip()
+    except OSError as exc:
+        raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
+    return rows + (not partial_blank)
+
+
+def _is_json_document(head: bytes) -> bool:
+    head = head.removeprefix(_UTF8_BOM).lstrip()
+    return head.startswith(b"[") or head.partition(b"\n")[0].strip() == b"{"
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of every non-blank line."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.removeprefix(_UTF8_BOM) if lineno == 1 else raw
+            if line.strip():
+                yield lineno, line
+
+
+def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Iterator[Parsed]:
+    for path, name in files:
+        for lineno, raw in _jsonl_lines(path):
+            values, error = _parse(raw, f"{name} line {lineno}")
+            yield (None if values is None else _project(values, columns)), error
+
+
+def _parse(raw: bytes, where: str) -> Parsed:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        byte = raw[exc.start]
+        return None, f"{where}: not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"{where}: malformed JSON: {exc.msg} at column {exc.colno}"
+    except RecursionError:
+        return None, f"{where}: malformed JSON: nested too deeply"
+    if not isinstance(obj, dict):
+        kind = _JSON_KINDS.get(type(obj)) or json.dumps(obj)  # true, false, null
+        return None, f"{where}: expected a JSON object, got {kind}"
+    return obj, None
+
+
+def _import_datasets(what: str) -> Any:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise BatchgenError(
+            f"reading {what} needs the 'datasets' package, which is not installed: "
+            "pip install datasets, or convert the input to parquet or jsonl"
+        ) from exc
+    return datasets
+
+
+def _open_saved(config: InputConfig) -> InputSource:
+    datasets = _import_datasets("a datasets.save_to_disk folder")
+    raw = config.path
+    try:
+        ds = datasets.load_from_disk(str(Path(raw).expanduser()))  # memory-mapped, not loaded
+    except Exception as exc:  # datasets raises many types for a bad folder
+        raise BatchgenError(
+            f"cannot load {raw!r} as a datasets.save_to_disk folder ({_reason(exc)}): "
+            "check the path"
+        ) from exc
+    note = ""
+    if isinstance(ds, datasets.DatasetDict):
+        if config.split not in ds:
+            raise BatchgenError(
+                f"split {config.split!r} is not in {raw!r}: use one of {', '.join(ds)}"
+            )
+        ds, note = ds[config.split], f" (split {config.split})"
+    reader = partial(_dataset_rows, ds, config.batch_rows, f"saved dataset {raw!r}")
+    description = f"saved dataset {raw}{note}"
+    return InputSource(list(ds.column_names), len(ds), description, config.batch_rows, reader)
+
+
+def _open_hub(config: InputConfig) -> InputSource:
+    datasets = _import_datasets(f"hub dataset {config.path!r} (or it is a missing local path)")
+    name, split = config.path, config.split
+    try:
+        ds = datasets.load_dataset(name, split=split, streaming=True)
+        columns = ds.column_names or list(next(iter(ds), {}))
+    except Exception as exc:  # offline, unknown name, bad split, auth: all end the job here
+        raise BatchgenError(
+            f"could not load hub dataset {name!r} (is the machine offline? for local data give "
+            f"an existing file, folder or glob): {_reason(exc)}"
+        ) from exc
+    splits = ds.info.splits
+    num_rows = splits[split].num_examples if splits and split in splits else None
+    reader = partial(_dataset_rows, ds, config.batch_rows, f"hub dataset {name!r}")
+    description = f"hub dataset {name} (split {split}, streamed)"
+    return InputSource(list(columns), num_rows, description, config.batch_rows, reader)
+
+
+def _dataset_rows(
+    ds: Any, batch_rows: int, what: str, columns: list[str] | None
+) -> Iterator[Parsed]:
+    """ds: a datasets Dataset (memory-mapped) or IterableDataset (streamed)."""
+    names = ds.column_names or []
+    if columns is not None and names:
+        ds = ds.select_columns([c for c in columns if c in names] or names[:1])
+    try:
+        for batch in ds.iter(batch_size=batch_rows):  # batch: {column: [values]}
+            keys = list(batch)
+            for values in zip(*(batch[k] for k in keys), strict=True):
+                yield _project(dict(zip(keys, values, strict=True)), columns), None
+    except Exception as exc:  # a network drop or a damaged arrow file, mid-stream
+        raise BatchgenError(
+            f"reading {what} failed ({_reason(exc)}): run again; committed rows are kept"
+        ) from exc

@@ -1,0 +1,186 @@
+"""A job: spec -> checks -> engine + pipeline threads -> committed shards -> final file."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tqdm import tqdm
+
+from batchgen.engine import Engine, Prompt
+from batchgen.errors import BatchgenError
+from batchgen.io import (
+    ShardWriter,
+    committed_indexes,
+    open_input,
+    remove_temp_files,
+    write_final,
+)
+from batchgen.io.checkpoint import claim_output_dir, write_json_atomic
+from batchgen.pipeline import Consumer, Producer, Stats, wait_for
+from batchgen.prompts import PromptBuilder, RowPrompt
+from batchgen.spec import JobSpec
+
+OUTPUT_COLUMNS = (
+    "index",
+    "id",
+    "text",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "error",
+    "prompt_token_ids",
+    "token_ids",
+)
+
+
+class JobResult(NamedTuple):
+    summary: dict[str, Any]
+    interrupted: bool
+    complete: bool
+
+
+def check_job(spec: JobSpec) -> Any:
+    """Every check that needs no model: input readable, columns present. -> the input source."""
+    source = open_input(spec.input)
+    needed = spec.prompt.columns_used()
+    missing = [c for c in needed if source.columns is not None and c not in source.columns]
+    if missing:
+        raise BatchgenError(
+            f"input has no column {missing[0]!r} (columns: "
+            f"{', '.join(source.columns)}): fix [prompt] or the input"
+        )
+    clash = [c for c in spec.prompt.passthrough if c in OUTPUT_COLUMNS]
+    if clash:
+        raise BatchgenError(
+            f"pass-through column {clash[0]!r} would overwrite an output column: "
+            "rename it in the input"
+        )
+    return source
+
+
+def run_job(
+    spec: JobSpec,
+    *,
+    force_resume: bool = False,
+    engine: Engine | None = None,
+    stop: threading.Event | None = None,
+) -> JobResult:
+    """Run (or resume) a job to completion, or until `stop` is set."""
+    source = check_job(spec)
+    out_dir = Path(spec.output.dir)
+    resuming = claim_output_dir(out_dir, spec.to_dict(), force_resume)
+    remove_temp_files(out_dir)
+    done = committed_indexes(out_dir)
+    engine = engine or Engine(spec.model.path, spec.engine)
+    if engine.tokenizer is None:
+        raise BatchgenError(f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one")
+    stop = stop or threading.Event()
+    started = time.perf_counter()
+    total = None if source.num_rows is None else max(0, source.num_rows - len(done))
+    with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
+        stats, producer = _run_pipeline(spec, source, engine, done, stop, _progress(bar, started))
+    complete = producer.finished and not stop.is_set()
+    summary = _summary(spec, stats, time.perf_counter() - started, resuming, out_dir, complete)
+    write_json_atomic(out_dir / "summary.json", summary)
+    return JobResult(summary, stop.is_set(), complete)
+
+
+def _run_pipeline(
+    spec: JobSpec, source: Any, engine: Engine, done: set[int], stop: threading.Event, on_row: Any
+) -> tuple[Stats, Producer]:
+    builder = PromptBuilder(
+        spec.prompt, engine.tokenizer, engine.max_model_len - 1, spec.sampling.max_new_tokens
+    )
+    halt = threading.Event()  # stops the producer however the engine loop ends
+    producer = Producer(
+        source.batches(spec.prompt.columns_used() or None),
+        builder,
+        done,
+        spec.prompt.id_column,
+        spec.pipeline.tokenizer_threads,
+        spec.pipeline.prefetch_batches,
+        halt,
+    )
+    out = spec.output
+    writer = ShardWriter(Path(out.dir), out.format, out.shard_rows, out.shard_seconds)
+    tok = engine.tokenizer
+    consumer = Consumer(
+        writer, lambda ids: tok.decode(ids, skip_special_tokens=True), out.include_token_ids, on_row
+    )
+    producer.start()
+    consumer.start()
+    try:
+        _drive_engine(engine, spec, producer, consumer, stop)
+    finally:
+        halt.set()
+        consumer.queue.put(None)
+        wait_for(consumer)
+    for thread in (producer, consumer):
+        if thread.error is not None:
+            raise thread.error
+    return consumer.stats, producer
+
+
+def _drive_engine(
+    engine: Engine, spec: JobSpec, producer: Producer, consumer: Consumer, stop: threading.Event
+) -> None:
+    """The engine thread: prompts in, finished requests out to the writer."""
+    in_flight: dict[int, RowPrompt] = {}
+
+    def prompts() -> Any:
+        for row in producer.prompts():
+            if stop.is_set():
+                return
+            if row.error is not None:
+                consumer.queue.put((row, None))
+                continue
+            in_flight[row.index] = row
+            yield Prompt(row.prompt_ids, str(row.index), row.overrides or None)
+
+    for out in engine.generate(prompts(), spec.sampling, decode=False, stop=stop):
+        consumer.queue.put((in_flight.pop(int(out.request_id)), out))
+
+
+def _progress(bar: tqdm, started: float) -> Any:
+    last = [0.0]
+
+    def on_row(stats: Stats) -> None:
+        bar.update(1)
+        now = time.perf_counter()
+        if now - last[0] > 0.5:
+            last[0] = now
+            elapsed = max(now - started, 1e-9)
+            bar.set_postfix(
+                prompt_tok_s=f"{stats.prompt_tokens / elapsed:,.0f}",
+                gen_tok_s=f"{stats.generated_tokens / elapsed:,.0f}",
+                errors=stats.rows_error,
+                refresh=False,
+            )
+
+    return on_row
+
+
+def _summary(
+    spec: JobSpec, stats: Stats, wall_s: float, resumed: bool, out_dir: Path, complete: bool
+) -> dict[str, Any]:
+    result_file = None
+    if complete and spec.output.final_file:
+        result_file = out_dir / f"results.{spec.output.format}"
+        write_final(out_dir, spec.output.format, result_file)
+    committed = len(committed_indexes(out_dir))
+    return {
+        "rows_ok": stats.rows_ok,
+        "rows_error": stats.rows_error,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "wall_s": round(wall_s, 3),
+        "generated_tokens_per_s": round(stats.generated_tokens / max(wall_s, 1e-9), 1),
+        "rows_per_s": round((stats.rows_ok + stats.rows_error) / max(wall_s, 1e-9), 2),
+        "rows_committed_total": committed,
+        "resumed": resumed,
+        "complete": complete,
+        "result_file": None if result_file is None else str(result_file),
+    }

@@ -1,0 +1,189 @@
+"""The job's threads around the engine: a producer that reads and tokenizes ahead through a
+bounded queue, and a consumer that detokenizes and writes shards off the engine thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.engine.request import RequestOutput
+from batchgen.io import RawRow, ShardWriter
+from batchgen.prompts import PromptBuilder, RowPrompt
+
+_POLL_S = 0.2
+
+
+class Producer(threading.Thread):
+    """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool."""
+
+    def __init__(
+        self,
+        batches: Iterator[list[RawRow]],
+        builder: PromptBuilder,
+        done: set[int],
+        id_column: str | None,
+        threads: int,
+        prefetch: int,
+        stop: threading.Event,
+    ) -> None:
+        super().__init__(name="batchgen-producer", daemon=True)
+        self.batches = batches
+        self.builder = builder
+        self.done = done
+        self.id_column = id_column
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
+        self.queue: queue.Queue[Future[list[RowPrompt]] | None] = queue.Queue(maxsize=prefetch)
+        self.stop = stop
+        self.error: BaseException | None = None
+        self.rows_read = 0
+        self.finished = False  # the whole input was read
+        self._ids: set[str] = set()
+
+    def run(self) -> None:
+        try:
+            for batch in self.batches:
+                todo = [(row, dup) for row in batch for keep, dup in [self._check(row)] if keep]
+                if todo and not self._put(self.pool.submit(self._prepare, todo)):
+                    return
+                if self.stop.is_set():
+                    return
+            self.finished = True
+        except BaseException as exc:  # re-raised on the engine thread
+            self.error = exc
+        finally:
+            self._put(None)
+            self.pool.shutdown(wait=False)
+
+    def prompts(self) -> Iterator[RowPrompt]:
+        """Prepared rows in input order; ends at the end of input or when stopped."""
+        while not self.stop.is_set():
+            try:
+                future = self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if future is None:
+                return
+            yield from future.result()
+
+    def _check(self, row: RawRow) -> tuple[bool, str | None]:
+        """Count the row and its id -> (not yet committed, the id if an earlier row had it)."""
+        self.rows_read += 1
+        duplicate = None
+        if self.id_column is not None and row.values is not None:
+            value = row.values.get(self.id_column)
+            key = None if value is None else str(value)
+            if key in self._ids:
+                duplicate = key
+            elif key is not None:
+                self._ids.add(key)
+        return row.index not in self.done, duplicate
+
+    def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
+        out = []
+        for row, duplicate in rows:
+            if row.values is None:
+                row_id = str(row.index) if self.id_column is None else ""
+                out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error))
+                continue
+            prepared = self.builder.build(row.index, row.values)
+            if duplicate is not None:
+                prepared = prepared._replace(
+                    prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
+                )
+            out.append(prepared)
+        return out
+
+    def _put(self, item: Future[list[RowPrompt]] | None) -> bool:
+        while True:
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                if self.stop.is_set():
+                    return False
+
+
+@dataclass
+class Stats:
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Consumer(threading.Thread):
+    """Turns finished requests (and error rows) into output rows and commits shards."""
+
+    def __init__(
+        self,
+        writer: ShardWriter,
+        decode: Callable[[list[int]], str],
+        include_token_ids: bool,
+        on_row: Callable[[Stats], None],
+    ) -> None:
+        super().__init__(name="batchgen-writer", daemon=True)
+        self.writer = writer
+        self.decode = decode
+        self.include_token_ids = include_token_ids
+        self.on_row = on_row
+        self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
+        self.stats = Stats()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self.queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    self.writer.maybe_commit()
+                    continue
+                if item is None:
+                    break
+                self.writer.add(self._row(*item))
+                self.on_row(self.stats)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.writer.commit()
+
+    def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> dict[str, Any]:
+        error = prompt.error if out is None else out.error
+        num_prompt = len(prompt.prompt_ids or [])
+        generated = [] if out is None or error else out.output_token_ids
+        row: dict[str, Any] = {
+            "index": prompt.index,
+            "id": prompt.id,
+            "text": None if error else self.decode(generated),
+            "finish_reason": "error" if error else out.finish_reason,
+            "num_prompt_tokens": num_prompt,
+            "num_generated_tokens": len(generated),
+            "error": error,
+        }
+        if self.include_token_ids:
+            row["prompt_token_ids"] = list(prompt.prompt_ids or [])
+            row["token_ids"] = list(generated)
+        row.update(prompt.passthrough)
+        self._count(row)
+        return row
+
+    def _count(self, row: dict[str, Any]) -> None:
+        s = self.stats
+        if row["error"] is None:
+            s.rows_ok += 1
+        else:
+            s.rows_error += 1
+        s.prompt_tokens += row["num_prompt_tokens"]
+        s.generated_tokens += row["num_generated_tokens"]
+
+
+def wait_for(thread: threading.Thread, poll_s: float = _POLL_S) -> None:
+    """join() that lets the main thread handle signals meanwhile."""
+    while thread.is_alive():
+        thread.join(poll_s)
+    time.sleep(0)

@@ -1,0 +1,195 @@
+"""Job specs: TOML files with model, input, prompt, sampling, output and runtime sections.
+
+Each section maps onto a frozen dataclass that owns its defaults and validation; [runtime]
+holds the EngineConfig and PipelineConfig fields. An unknown key or a value of the wrong type is
+an error naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.errors import BatchgenError
+from batchgen.io import InputConfig, OutputConfig
+from batchgen.prompts import PromptConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "default"  # a local model folder, a hub id, or "default" (the embedded model)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    tokenizer_threads: int = 2  # threads rendering and tokenizing prompts ahead of the engine
+    prefetch_batches: int = 4  # tokenized input batches queued ahead of the engine
+    quiet: bool = False  # no progress bar
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be >= 1")
+        if self.prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches={self.prefetch_batches} must be >= 1")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    input: InputConfig
+    output: OutputConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved spec, in the TOML's shape (engine and pipeline merged into runtime)."""
+        d = {
+            name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS if name != "runtime"
+        }
+        d["runtime"] = {**dataclasses.asdict(self.engine), **dataclasses.asdict(self.pipeline)}
+        return _jsonable(d)
+
+
+SECTIONS: dict[str, tuple[type, ...]] = {
+    "model": (ModelConfig,),
+    "input": (InputConfig,),
+    "prompt": (PromptConfig,),
+    "sampling": (SamplingParams,),
+    "output": (OutputConfig,),
+    "runtime": (EngineConfig, PipelineConfig),
+}
+
+
+def load_spec(
+    path: str | Path | None, overrides: list[str] = (), base_dir: Path | None = None
+) -> JobSpec:
+    """Read a TOML job file (or none) and apply `section.key=value` overrides."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise BatchgenError(f"job file '{path}' does not exist")
+        try:
+            table = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise BatchgenError(f"job file '{path}' is not valid TOML: {exc}") from exc
+    for item in overrides:
+        apply_override(table, item)
+    return spec_from_table(table)
+
+
+def apply_override(table: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise BatchgenError(f"--set {item!r}: use section.key=value, e.g. sampling.temperature=0.7")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    table.setdefault(section, {})[name] = value
+
+
+def spec_from_table(table: dict[str, Any]) -> JobSpec:
+    unknown = sorted(set(table) - set(SECTIONS))
+    if unknown:
+        raise BatchgenError(f"unknown section [{unknown[0]}]: sections are {', '.join(SECTIONS)}")
+    for name in ("input", "output"):
+        if not isinstance(table.get(name), dict) or not table[name]:
+            hint = "path" if name == "input" else "dir"
+            raise BatchgenError(
+                f"[{name}] {hint} is required (in the job file or with "
+                f"--{name} / --set {name}.{hint}=...)"
+            )
+    built = {
+        name: _build_section(name, table.get(name, {}), classes)
+        for name, classes in SECTIONS.items()
+    }
+    engine, pipeline = built.pop("runtime")
+    return JobSpec(engine=engine, pipeline=pipeline, **{k: v[0] for k, v in built.items()})
+
+
+def engine_config(overrides: list[str]) -> EngineConfig:
+    """An EngineConfig from `runtime.key=value` items (the bench command's --set)."""
+    table: dict[str, Any] = {}
+    for item in overrides:
+        apply_override(table, item)
+    if set(table) - {"runtime"}:
+        raise BatchgenError("only runtime.* settings apply here, e.g. runtime.max_num_seqs=128")
+    return _build_section("runtime", table.get("runtime", {}), (EngineConfig,))[0]
+
+
+def _build_section(section: str, values: Any, classes: tuple[type, ...]) -> list[Any]:
+    if not isinstance(values, dict):
+        raise BatchgenError(f"[{section}] must be a table of keys, not {type(values).__name__}")
+    known = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise BatchgenError(
+                f"unknown key {section}.{key}: [{section}] takes {', '.join(sorted(known))}"
+            )
+    out = []
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        kwargs = {
+            k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items() if known[k] is cls
+        }
+        try:
+            out.append(cls(**kwargs))
+        except ValueError as exc:
+            raise BatchgenError(f"[{section}] {exc}") from exc
+    return out
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check value against a field's annotation; tuples come from TOML arrays."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        origin = typing.get_origin(option)
+        if origin is tuple and isinstance(value, list):
+            item = typing.get_args(option)[0]
+            if all(_is(v, item) for v in value):
+                return tuple(value)
+        elif origin is None and option is not type(None) and _is(value, option):
+            return float(value) if option is float else value
+    expected = " or ".join(_name(o) for o in options)
+    raise BatchgenError(f"{where} = {value!r}: expected {expected}")
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _name(kind: Any) -> str:
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {_name(typing.get_args(kind)[0])}"
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true/false",
+        str: "a string",
+        type(None): "nothing",
+    }.get(kind, str(kind))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,409 @@
+"""Readers and the shard writer: streaming, error rows, job-level errors, atomic commits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.errors import BatchgenError
+from batchgen.io import (
+    InputConfig,
+    OutputConfig,
+    RawRow,
+    ShardWriter,
+    committed_indexes,
+    open_input,
+    remove_temp_files,
+    write_final,
+)
+
+
+def read_all(path: Path | str, columns: list[str] | None = None, **config: Any) -> list[RawRow]:
+    source = open_input(InputConfig(str(path), **config))
+    return [row for batch in source.batches(columns) for row in batch]
+
+
+def write_parquet(path: Path, start: int, count: int) -> None:
+    ids = [f"r{i}" for i in range(start, start + count)]
+    pq.write_table(
+        pa.table({"id": ids, "prompt": [f"p{i}" for i in range(start, start + count)]}), path
+    )
+
+
+def write_lines(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(excinfo.value)
+    assert message and "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- parquet
+
+
+def test_parquet_single_file_batches_and_num_rows(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "data.parquet", 0, 10)
+    source = open_input(InputConfig(str(tmp_path / "data.parquet"), batch_rows=4))
+    assert source.columns == ["id", "prompt"] and source.num_rows == 10
+    assert "parquet" in source.description
+    batches = list(source.batches())
+    assert [len(b) for b in batches] == [4, 4, 2]
+    rows = [row for batch in batches for row in batch]
+    assert [r.index for r in rows] == list(range(10))
+    assert rows[3] == RawRow(3, {"id": "r3", "prompt": "p3"}, None)
+
+
+def test_parquet_directory_and_glob_continue_index_across_sorted_files(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_parquet(data / "b.parquet", 3, 4)  # sorted after a.parquet
+    write_parquet(data / "a.parquet", 0, 3)
+    (data / "notes.txt").write_text("ignored")
+    for path in (data, data / "*.parquet"):
+        source = open_input(InputConfig(str(path), batch_rows=5))
+        assert source.num_rows == 7 and "2 parquet files" in source.description
+        rows = [row for batch in source.batches() for row in batch]
+        assert [r.index for r in rows] == list(range(7))
+        assert [r.values["id"] for r in rows] == [f"r{i}" for i in range(7)]
+
+
+def test_parquet_column_projection_fills_absent_columns(tmp_path: Path) -> None:
+    path = tmp_path / "d.pq"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["x", "y"], "big": [1, 2]}), path)
+    rows = read_all(path, columns=["prompt", "missing"])
+    assert [r.values for r in rows] == [
+        {"prompt": "x", "missing": None},
+        {"prompt": "y", "missing": None},
+    ]
+    assert [r.values for r in read_all(path, columns=["missing"])] == [{"missing": None}] * 2
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def test_jsonl_error_rows_and_blank_lines(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "data.jsonl",
+        [
+            b'{"id": "a", "prompt": "one"}',
+            b"",
+            b"   ",
+            b'{"id": "b", "prompt": ',  # line 4: malformed
+            b"[1, 2]",  # line 5: not an object
+            b'{"id": "c", "prompt": "caf\xff"}',  # line 6: bad utf-8
+            b'{"id": "d", "prompt": "caf\xc3\xa9", "extra": 1}',
+        ],
+    )
+    source = open_input(InputConfig(str(path), batch_rows=2))
+    assert source.num_rows == 5 and source.columns == ["id", "prompt", "extra"]
+    rows = [row for batch in source.batches() for row in batch]
+    assert [r.index for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[0].values == {"id": "a", "prompt": "one"} and rows[0].error is None
+    assert rows[1].values is None
+    assert rows[1].error.startswith(f"{path} line 4: malformed JSON: Expecting value at column")
+    assert rows[2] == RawRow(2, None, f"{path} line 5: expected a JSON object, got an array")
+    assert rows[3].values is None
+    assert rows[3].error == f"{path} line 6: not valid UTF-8 (byte 0xff at column 27)"
+    assert rows[4].values == {"id": "d", "prompt": "café", "extra": 1}
+
+
+def test_jsonl_errors_in_a_folder_name_the_file(tmp_path: Path) -> None:
+    write_lines(tmp_path / "a.jsonl", [b'{"a": 1}'])
+    write_lines(tmp_path / "b.jsonl", [b'{"a": 2}', b"{oops}", b"7"])
+    rows = read_all(tmp_path)
+    assert [r.index for r in rows] == [0, 1, 2, 3]
+    assert rows[2].error.startswith("b.jsonl line 2: malformed JSON: ")
+    assert rows[3].error == "b.jsonl line 3: expected a JSON object, got a number"
+
+
+def test_jsonl_projection_num_rows_without_final_newline_and_bom(tmp_path: Path) -> None:
+    path = tmp_path / "d.ndjson"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "p": 1}\n\n{"id": "b"}')  # BOM, no final newline
+    source = open_input(InputConfig(str(path)))
+    assert source.num_rows == 2
+    rows = [r for b in source.batches(["p"]) for r in b]
+    assert [r.values for r in rows] == [{"p": 1}, {"p": None}]
+
+
+def test_jsonl_num_rows_counts_across_chunk_boundaries(tmp_path: Path, monkeypatch) -> None:
+    import batchgen.io.readers as readers
+
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", 7)  # lines and blanks straddle chunks
+    lines = [b'{"i": %d}' % i if i % 3 else b" \t " for i in range(40)] + [b"", b""]
+    path = write_lines(tmp_path / "d.jsonl", lines)
+    source = open_input(InputConfig(str(path)))
+    assert source.num_rows == len(read_all(path)) == sum(1 for line in lines if line.strip())
+
+
+def test_json_array_file_is_a_job_error(tmp_path: Path) -> None:
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"id": "a"}], indent=2))
+    with pytest.raises(BatchgenError) as excinfo:
+        open_input(InputConfig(str(path)))
+    assert "not JSON Lines" in one_line_error(excinfo)
+
+
+# ---------------------------------------------------------------- datasets folders, hub
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"]})
+    ds.save_to_disk(str(tmp_path / "single"))
+    source = open_input(InputConfig(str(tmp_path / "single"), batch_rows=2))
+    assert source.columns == ["id", "prompt"] and source.num_rows == 3
+    rows = [r for b in source.batches(["prompt"]) for r in b]
+    assert rows == [RawRow(i, {"prompt": p}, None) for i, p in enumerate("xyz")]
+
+    test = datasets.Dataset.from_dict({"id": ["t"], "prompt": ["q"]})
+    datasets.DatasetDict({"train": ds, "test": test}).save_to_disk(str(tmp_path / "dict"))
+    rows = read_all(tmp_path / "dict", split="test")
+    assert rows == [RawRow(0, {"id": "t", "prompt": "q"}, None)]
+    with pytest.raises(BatchgenError) as excinfo:
+        open_input(InputConfig(str(tmp_path / "dict"), split="validation"))
+    message = one_line_error(excinfo)
+    assert "'validation'" in message and "train" in message and "test" in message
+
+
+def test_hub_name_offline_is_a_quick_job_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read once at import time
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.monotonic()
+    with pytest.raises(BatchgenError) as excinfo:
+        open_input(InputConfig("someone/no-such-dataset-xyz"))
+    assert time.monotonic() - start < 10
+    message = one_line_error(excinfo)
+    assert "could not load hub dataset 'someone/no-such-dataset-xyz'" in message
+    assert "offline" in message
+
+
+# ---------------------------------------------------------------- job-level errors
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda d: d / "missing.parquet", "does not exist"),
+        (lambda d: d / "missing.txt", "does not exist"),
+        (lambda d: "missing.txt", "does not exist"),
+        (lambda d: d / "nothing-*.parquet", "no files match"),
+        (lambda d: d / "empty_dir", "holds no"),
+        (lambda d: d / "notes.txt", "cannot tell the format"),
+        (lambda d: d / "corrupt.parquet", "cannot read parquet file"),
+        (lambda d: d / "truncated.parquet", "cannot read parquet file"),
+    ],
+)
+def test_job_level_errors_are_one_line(tmp_path: Path, make, expected: str) -> None:
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "readme.md").write_text("no data here")
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "corrupt.parquet").write_text("this is not parquet")
+    write_parquet(tmp_path / "good.parquet", 0, 100)
+    data = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "truncated.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(BatchgenError) as excinfo:
+        open_input(InputConfig(str(make(tmp_path))))
+    assert expected in one_line_error(excinfo)
+
+
+def test_hub_and_saved_folders_without_datasets_installed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # the GPU machine has no datasets
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "state.json").write_text("{}")
+    for path in ("owner/name", str(tmp_path / "saved")):
+        with pytest.raises(BatchgenError) as excinfo:
+            open_input(InputConfig(path))
+        assert "needs the 'datasets' package" in one_line_error(excinfo)
+
+
+def test_bad_config_values_name_field_and_allowed() -> None:
+    with pytest.raises(ValueError, match=r"format='csv' is not allowed: use one of auto, parquet"):
+        InputConfig("x.csv", format="csv")
+    with pytest.raises(ValueError, match="batch_rows=0"):
+        InputConfig("x.parquet", batch_rows=0)
+    with pytest.raises(ValueError, match="format='csv'"):
+        OutputConfig("out", format="csv")
+    with pytest.raises(ValueError, match="shard_rows=0"):
+        OutputConfig("out", shard_rows=0)
+
+
+def test_format_override_reads_an_odd_extension(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "data.txt", [b'{"id": "a"}'])
+    assert read_all(path, format="jsonl") == [RawRow(0, {"id": "a"}, None)]
+
+
+# ---------------------------------------------------------------- writer
+
+
+def rows(indexes: list[int], **extra: Any) -> list[dict[str, Any]]:
+    return [{"index": i, "id": f"r{i}", "text": f"t{i}", **extra} for i in indexes]
+
+
+def shard_files(out: Path) -> list[Path]:
+    return sorted((out / "shards").iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_commit_is_atomic_and_leaves_no_temp_file(tmp_path: Path, fmt: str) -> None:
+    writer = ShardWriter(tmp_path, fmt, shard_rows=3, shard_seconds=3600)
+    for row in rows([0, 1, 2, 3]):
+        writer.add(row)  # the third row commits a shard
+    files = shard_files(tmp_path)
+    assert len(files) == 1 and files[0].name.startswith("part-") and writer.rows_committed == 3
+    assert files[0].name.endswith(f"-000000.{fmt}")
+    assert writer.commit() == 1 and writer.commit() == 0
+    assert not [p for p in shard_files(tmp_path) if p.name.startswith(".tmp-")]
+    assert committed_indexes(tmp_path) == {0, 1, 2, 3}
+
+
+def test_time_limit_commits(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path, "parquet", shard_rows=100, shard_seconds=0.2)
+    writer.add(rows([0])[0])
+    writer.maybe_commit()
+    assert writer.rows_committed == 0 and shard_files(tmp_path) == []
+    time.sleep(0.25)
+    writer.maybe_commit()
+    assert writer.rows_committed == 1 and len(shard_files(tmp_path)) == 1
+
+
+def test_committed_indexes_across_writers_and_crash_leftovers(tmp_path: Path) -> None:
+    for fmt, batch in (("parquet", [5, 1, 3]), ("jsonl", [0, 2])):
+        writer = ShardWriter(tmp_path, fmt, shard_rows=2, shard_seconds=3600)
+        for row in rows(batch):
+            writer.add(row)
+        writer.commit()
+    # a writer killed mid-shard leaves a temp file with garbage: never read, then removed
+    (tmp_path / "shards" / ".tmp-123-part-x-000000.parquet").write_bytes(b"PAR1 garbage")
+    (tmp_path / ".tmp-123-results.parquet").write_bytes(b"half a file")
+    assert committed_indexes(tmp_path) == {0, 1, 2, 3, 5}
+    assert remove_temp_files(tmp_path) == 2
+    assert not list(tmp_path.rglob(".tmp-*"))
+    assert committed_indexes(tmp_path) == {0, 1, 2, 3, 5}
+
+
+def test_duplicate_index_is_a_bug(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path, "jsonl", shard_rows=10, shard_seconds=3600)
+    for row in rows([1, 2]):
+        writer.add(row)
+    writer.commit()
+    writer.add(rows([2])[0])
+    writer.commit()
+    with pytest.raises(RuntimeError, match="index 2"):
+        committed_indexes(tmp_path)
+    with pytest.raises(RuntimeError, match="index 2"):
+        write_final(tmp_path, "jsonl", tmp_path / "out.jsonl")
+
+
+def test_add_rejects_rows_without_index_and_id(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path, "jsonl", shard_rows=10, shard_seconds=3600)
+    with pytest.raises(TypeError):
+        writer.add({"id": "a"})
+
+
+def write_shards(out: Path, fmt: str, shards: list[list[dict[str, Any]]]) -> None:
+    writer = ShardWriter(out, fmt, shard_rows=10_000, shard_seconds=3600)
+    for shard in shards:
+        for row in shard:
+            writer.add(row)
+        writer.commit()
+
+
+def read_final(path: Path, fmt: str) -> list[dict[str, Any]]:
+    if fmt == "parquet":
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_write_final_orders_overlapping_shards(tmp_path: Path, fmt: str) -> None:
+    # roughly in order, with stragglers: the shards' index ranges overlap
+    shards = [[0, 2, 1, 4], [3, 6, 5, 17], [8, 7, 9, 10, 12], [11, 13, 14, 15, 16]]
+    write_shards(tmp_path, fmt, [rows(s) for s in shards])
+    final = tmp_path / f"results.{fmt}"
+    assert write_final(tmp_path, fmt, final, window_rows=4) == 18
+    got = read_final(final, fmt)
+    assert [r["index"] for r in got] == list(range(18))
+    assert got[5] == {"index": 5, "id": "r5", "text": "t5"}
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_write_final_with_no_shards(tmp_path: Path, fmt: str) -> None:
+    final = tmp_path / f"results.{fmt}"
+    assert write_final(tmp_path, fmt, final) == 0 and final.exists()
+
+
+def test_pass_through_columns_of_varying_types(tmp_path: Path) -> None:
+    shards = [
+        # within one shard: int and str in "meta" cannot share an Arrow type -> text
+        [
+            {"index": 0, "id": "a", "meta": 1, "score": 1, "tag": None},
+            {"index": 1, "id": "b", "meta": "x", "score": 2, "tag": None},
+        ],
+        # across shards: score int -> float promotes; tag null -> str; extra only here
+        [{"index": 2, "id": "c", "meta": 3, "score": 2.5, "tag": "t", "extra": [1, 2]}],
+        [{"index": 3, "id": "d", "meta": {"k": 1}, "score": 4, "tag": None}],
+    ]
+    write_shards(tmp_path, "parquet", shards)
+    final = tmp_path / "results.parquet"
+    assert write_final(tmp_path, "parquet", final, window_rows=2) == 4
+    table = pq.read_table(final)
+    assert table.schema.field("score").type == pa.float64()
+    assert table.schema.field("meta").type == pa.string()
+    assert table.column("meta").to_pylist() == ["1", "x", "3", '{"k": 1}']
+    assert table.column("score").to_pylist() == [1.0, 2.0, 2.5, 4.0]
+    assert table.column("tag").to_pylist() == [None, None, "t", None]
+    assert table.column("extra").to_pylist() == [None, None, [1, 2], None]
+
+
+def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) -> None:
+    """The rename is the commit: at that instant the temp file is whole and fsynced."""
+    seen: list[tuple[str, int]] = []
+    real_replace, real_fsync = os.replace, os.fsync
+    synced: set[int] = set()
+
+    def fsync(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        assert Path(src).name.startswith(".tmp-") and os.stat(src).st_ino in synced
+        seen.append((Path(dst).name, pq.read_table(src).num_rows))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    writer = ShardWriter(tmp_path, "parquet", shard_rows=5, shard_seconds=3600)
+    for row in rows(list(range(5))):
+        writer.add(row)
+    assert len(seen) == 1 and seen[0][1] == 5 and seen[0][0].startswith("part-")
+
+
+def test_failed_commit_keeps_rows_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    writer = ShardWriter(tmp_path, "parquet", shard_rows=100, shard_seconds=3600)
+    writer.add(rows([0])[0])
+
+    def boom(src: Any, dst: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        writer.commit()
+    monkeypatch.undo()
+    assert list((tmp_path / "shards").iterdir()) == []
+    assert writer.commit() == 1 and committed_indexes(tmp_path) == {0}

@@ -1,0 +1,257 @@
+"""The job runner end to end (in process): inputs, output contract, bad rows, resume rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.job import run_job
+from batchgen.spec import load_spec
+
+
+def write_jsonl(path: Path, rows: list[dict] | list[str]) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_rows(out_dir: Path) -> list[dict]:
+    files = sorted(out_dir.glob("results.*"))
+    assert len(files) == 1, f"one result file expected in {out_dir}"
+    if files[0].suffix == ".parquet":
+        return pq.read_table(files[0]).to_pylist()
+    return [json.loads(line) for line in files[0].read_text().splitlines()]
+
+
+def spec_for(model: Path, inp: Path, out: Path, *sets: str):
+    return load_spec(
+        None,
+        [
+            f"model.path={json.dumps(str(model))}",
+            f"input.path={json.dumps(str(inp))}",
+            f"output.dir={json.dumps(str(out))}",
+            "runtime.quiet=true",
+            "runtime.device='cpu'",
+            *sets,
+        ],
+    )
+
+
+PROMPTS = [f"Tell me about item {i} and the weather." for i in range(12)]
+
+
+def test_jsonl_job_matches_the_engine(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "k": i} for i, p in enumerate(PROMPTS)])
+    spec = spec_for(
+        model,
+        inp,
+        tmp_path / "out",
+        "sampling.max_new_tokens=10",
+        "prompt.passthrough=['k']",
+        "output.format='jsonl'",
+        "output.include_token_ids=true",
+        "output.shard_rows=5",
+    )
+    result = run_job(spec)
+    assert result.complete and not result.interrupted
+    rows = read_rows(tmp_path / "out")
+    assert [r["index"] for r in rows] == list(range(12))
+    assert [r["id"] for r in rows] == [str(i) for i in range(12)]
+    assert [r["k"] for r in rows] == list(range(12))
+    engine = Engine(model, EngineConfig(device="cpu"))
+    expected = {
+        o.request_id: o for o in engine.generate(PROMPTS, SamplingParams(max_new_tokens=10))
+    }
+    for r in rows:
+        e = expected[r["id"]]
+        assert r["token_ids"] == e.output_token_ids and r["text"] == e.text
+        assert r["finish_reason"] == e.finish_reason and r["error"] is None
+        assert r["num_prompt_tokens"] == len(e.prompt_token_ids)
+        assert r["num_generated_tokens"] == len(e.output_token_ids)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rows_ok"] == 12 and summary["rows_error"] == 0 and summary["complete"]
+    assert len(list((tmp_path / "out" / "shards").glob("part-*"))) >= 3
+
+
+def test_parquet_and_saved_dataset_inputs(model_dir, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    model = model_dir("llama")
+    table = pa.table({"article": PROMPTS[:6], "uid": [f"u{i}" for i in range(6)]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    datasets.Dataset.from_dict(table.to_pydict()).save_to_disk(str(tmp_path / "saved"))
+    results = []
+    for name, inp in (("pq", tmp_path / "in.parquet"), ("ds", tmp_path / "saved")):
+        spec = spec_for(
+            model,
+            inp,
+            tmp_path / name,
+            "prompt.template='Summarize: {article}'",
+            "prompt.id_column='uid'",
+            "sampling.max_new_tokens=6",
+        )
+        assert run_job(spec).complete
+        results.append(read_rows(tmp_path / name))
+    assert results[0] == results[1]
+    assert [r["id"] for r in results[0]] == [f"u{i}" for i in range(6)]
+
+
+def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama", max_position_embeddings=48)
+    long_text = " ".join(["word"] * 200)
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "ok-1", "prompt": "Hello there"},
+            '{"id": "broken", "prompt": ',
+            {"id": "missing"},
+            {"id": "null", "prompt": None},
+            {"id": "empty", "prompt": ""},
+            {"id": "long", "prompt": long_text},
+            {"id": "not-text", "prompt": 17},
+            {"id": "bad-temp", "prompt": "Hi", "temp": -2.0},
+            {"id": "ok-1", "prompt": "duplicate id"},
+            {"prompt": "no id"},
+            {"id": "ok-2", "prompt": "Goodbye now"},
+        ],
+    )
+    spec = spec_for(
+        model,
+        inp,
+        tmp_path / "out",
+        "prompt.id_column='id'",
+        "prompt.temperature_column='temp'",
+        "sampling.max_new_tokens=5",
+    )
+    result = run_job(spec)
+    rows = read_rows(tmp_path / "out")
+    assert len(rows) == 11 and [r["index"] for r in rows] == list(range(11))
+    errors = [r for r in rows if r["finish_reason"] == "error"]
+    assert [r["index"] for r in errors] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    messages = [r["error"] for r in errors]
+    assert "line 2" in messages[0] and "JSON" in messages[0]
+    assert "'prompt' is missing or null" in messages[1] and "missing or null" in messages[2]
+    assert "prompt is empty" in messages[3]
+    assert "max_model_len" in messages[4]
+    assert "not text" in messages[5]
+    assert "temperature" in messages[6]
+    assert "duplicate id 'ok-1'" in messages[7]
+    assert "id column 'id' is missing" in messages[8]
+    assert all(r["text"] is None for r in errors)
+    assert result.summary["rows_error"] == 9 and result.summary["rows_ok"] == 2
+
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_policy_keeps_long_prompts(model_dir, tmp_path: Path, mode: str) -> None:
+    model = model_dir("llama", max_position_embeddings=48)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": " ".join(["word"] * 200)}])
+    spec = spec_for(
+        model, inp, tmp_path / "out", f"prompt.truncate='{mode}'", "sampling.max_new_tokens=8"
+    )
+    (row,) = (run_job(spec), read_rows(tmp_path / "out"))[1]
+    assert row["error"] is None and row["num_prompt_tokens"] == 48 - 8
+    assert row["num_generated_tokens"] == 8 or row["finish_reason"] == "stop"
+
+
+def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    messages = [{"role": "user", "content": "Hi!"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"messages": messages}, {"messages": "not a list"}])
+    spec = spec_for(
+        model,
+        inp,
+        tmp_path / "out",
+        "prompt.messages_column='messages'",
+        "prompt.system_prompt='Be brief.'",
+        "sampling.max_new_tokens=4",
+        "output.include_token_ids=true",
+    )
+    run_job(spec)
+    ok, bad = read_rows(tmp_path / "out")
+    engine = Engine(model, EngineConfig(device="cpu"))
+    chat = [{"role": "system", "content": "Be brief."}, *messages]
+    rendered = engine.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert ok["prompt_token_ids"] == engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    assert ok["prompt_token_ids"].count(engine.tokenizer.bos_token_id) == 1
+    assert "must hold a non-empty list" in bad["error"]
+
+
+def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    rows = [{"prompt": "Hello", "n": n, "seed": 7, "t": 1.0} for n in (1, 3, 6)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(
+        model,
+        inp,
+        tmp_path / "out",
+        "prompt.max_new_tokens_column='n'",
+        "prompt.seed_column='seed'",
+        "prompt.temperature_column='t'",
+        "sampling.ignore_eos=true",
+    )
+    run_job(spec)
+    out = read_rows(tmp_path / "out")
+    assert [r["num_generated_tokens"] for r in out] == [1, 3, 6]
+    assert out[2]["text"].startswith(out[1]["text"])  # same seed: same draws, longer limit
+
+
+def test_job_level_errors_before_model_work(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(BatchgenError, match="no column 'article'"):
+        run_job(spec_for(model, inp, tmp_path / "o1", "prompt.template='S: {article}'"))
+    with pytest.raises(BatchgenError, match=r"does not exist|no such|not found"):
+        run_job(spec_for(model, tmp_path / "missing.jsonl", tmp_path / "o2"))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(BatchgenError, match=r"bad\.parquet"):
+        run_job(spec_for(model, tmp_path / "bad.parquet", tmp_path / "o3"))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("someone else's files")
+    with pytest.raises(BatchgenError, match="holds no batchgen job"):
+        run_job(spec_for(model, inp, tmp_path / "busy"))
+    assert not (tmp_path / "o1").exists(), "no output before the checks pass"
+
+
+def test_resume_with_a_changed_spec_is_refused(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}, {"prompt": "there"}])
+    out = tmp_path / "out"
+    assert run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3")).complete
+    with pytest.raises(BatchgenError, match=r"different spec \(sampling.temperature: 0.0 -> 0.5"):
+        run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3", "sampling.temperature=0.5"))
+    again = run_job(
+        spec_for(model, inp, out, "sampling.max_new_tokens=3", "runtime.max_num_seqs=4")
+    )  # runtime changes are allowed
+    assert again.complete and again.summary["rows_ok"] == 0
+    forced = run_job(
+        spec_for(model, inp, out, "sampling.max_new_tokens=3", "sampling.temperature=0.5"),
+        force_resume=True,
+    )
+    assert forced.complete and len(read_rows(out)) == 2
+
+
+def test_spec_errors_name_the_key(tmp_path: Path) -> None:
+    base = ["input.path='x.jsonl'", "output.dir='o'"]
+    with pytest.raises(BatchgenError, match=r"unknown key sampling\.temprature"):
+        load_spec(None, [*base, "sampling.temprature=0.5"])
+    with pytest.raises(
+        BatchgenError, match=r"sampling.max_new_tokens = 'many': expected an integer"
+    ):
+        load_spec(None, [*base, "sampling.max_new_tokens='many'"])
+    with pytest.raises(BatchgenError, match=r"unknown section \[smapling\]"):
+        load_spec(None, [*base, "smapling.seed=1"])
+    with pytest.raises(BatchgenError, match=r"\[sampling\] temperature=-1.0"):
+        load_spec(None, [*base, "sampling.temperature=-1.0"])
+    with pytest.raises(BatchgenError, match=r"\[input\] path is required"):
+        load_spec(None, ["output.dir='o'"])
+    job = tmp_path / "job.toml"
+    job.write_text('[input]\npath = "a.jsonl"\n[output]\ndir = "o"\n[runtime]\nmax_num_seqs = 8\n')
+    spec = load_spec(job, ["runtime.max_num_seqs=4", "prompt.passthrough=['a', 'b']"])
+    assert spec.engine.max_num_seqs == 4 and spec.prompt.passthrough == ("a", "b")

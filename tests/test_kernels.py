@@ -1,0 +1,337 @@
+"""Triton kernels and TritonBackend against ReferenceBackend (the oracle, run in float32).
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton
+is imported); with CUDA they run compiled. Error: ‖out − ref‖ / ‖ref‖ below FP32_TOL for
+float32 inputs and BF16_TOL for bfloat16 ones (ref computed in float32 from the same values).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from itertools import accumulate
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from batchgen.engine.attention import (  # noqa: E402
+    AttentionMetadata,
+    KVCache,
+    ReferenceBackend,
+    write_kv_reference,
+)
+from batchgen.engine.kernels import (  # noqa: E402
+    paged_decode,
+    paged_prefill,
+    plan_decode_splits,
+    write_kv,
+)
+from batchgen.engine.triton_backend import TritonBackend  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+BLOCK = 16
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _patch_interpreter() -> None:
+    """Make Triton's CPU interpreter usable here; compiled kernels are unaffected.
+
+    - torch imports triton before this module can set TRITON_INTERPRET, so triton.language's
+      own @jit helpers (tl.max, tl.zeros, ...) were built for compiling: rewrap them;
+    - range(start, end) over loaded scalars calls int() on a 1-element array (numpy >= 2.4
+      refuses it);
+    - tl.dot on bfloat16 multiplies the raw uint16 bits: convert them to float32 first (exact).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    from triton.runtime.jit import JITFunction
+
+    rewrapped: dict[int, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("triton.language") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                fn = rewrapped.setdefault(id(value), interp.InterpretedFunction(value.fn))
+                setattr(module, attr, fn)
+
+    patch_tensor, create_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def as_f32(h: Any) -> Any:
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched_dot(self: Any, a: Any, b: Any, *args: Any) -> Any:
+        return create_dot(self, as_f32(a), as_f32(b), *args)
+
+    interp._patch_lang_tensor = patched_tensor
+    interp.InterpreterBuilder.create_dot = patched_dot
+
+
+if INTERPRET:
+    _patch_interpreter()
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device(name)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def tol(dtype: torch.dtype) -> float:
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def paged_setup(
+    ctx_lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[KVCache, torch.Tensor]:
+    """Random caches (one layer) and [B, W] int32 tables scattering each sequence's blocks."""
+    need = [triton.cdiv(c, BLOCK) for c in ctx_lens]
+    num_blocks = sum(need) + 3  # spare blocks that no table points at
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
+    keys, values = (torch.randn(shape).to(dtype).to(device) for _ in range(2))
+    tables = torch.full((len(ctx_lens), max(need, default=1) + 1), -1, dtype=torch.int32)
+    free = torch.randperm(num_blocks).int()
+    for i, n in enumerate(need):
+        tables[i, :n], free = free[:n], free[n:]
+    return KVCache([keys], [values]), tables.to(device)
+
+
+def make_meta(
+    cache: KVCache,
+    tables: torch.Tensor,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    backend: Any,
+    slot_mapping: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    device = tables.device
+    cu = [0, *accumulate(q_lens)]
+    if slot_mapping is None:
+        slot_mapping = torch.full((cu[-1],), -1, dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=tables,
+        cu_seqlens_q_host=cu,
+        context_lens_host=ctx_lens,
+        max_query_len=max(q_lens),
+        max_context_len=max(ctx_lens),
+        num_decodes=sum(n == 1 for n in q_lens),
+        kv_cache=cache,
+        backend=backend,
+    )
+
+
+def reference(
+    q: torch.Tensor,
+    cache: KVCache,
+    tables: torch.Tensor,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    window: int | None,
+) -> torch.Tensor:
+    """ReferenceBackend in float32 over the cache as it is (no KV write)."""
+    f32 = KVCache([cache.keys[0].float()], [cache.values[0].float()])
+    backend = ReferenceBackend()
+    meta = make_meta(f32, tables, q_lens, ctx_lens, backend)
+    kv = torch.zeros(q.shape[0], cache.keys[0].shape[2], q.shape[2], device=q.device)
+    return backend.forward(0, q.float(), kv, kv, meta, q.shape[-1] ** -0.5, window)
+
+
+def strided_q(
+    num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[T, H, D] view with a token stride of 2H * D (as sliced from a fused projection)."""
+    return torch.randn(num_tokens, 2 * heads, head_dim).to(dtype).to(device)[:, :heads]
+
+
+def poisoned(q: torch.Tensor, extra_rows: int = 2) -> torch.Tensor:
+    """A NaN-filled output buffer with extra rows the kernels must not touch."""
+    return torch.full((q.shape[0] + extra_rows, *q.shape[1:]), float("nan"), dtype=q.dtype,
+                      device=q.device)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- kv_write
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_reference_and_skips_padding(device: str, dtype: torch.dtype) -> None:
+    dev = _device(device)
+    cache, _ = paged_setup([40], kv_heads=2, head_dim=64, dtype=dtype, device=dev)
+    kc, vc = cache.keys[0], cache.values[0]
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    fused = torch.randn(7, 6, 64).to(dtype).to(dev)  # k, v: strided views of one projection
+    k, v = fused[:, 1:3], fused[:, 4:6]
+    slots = torch.tensor([3, -1, 17, 47, -1, 16, 0], device=dev)
+    write_kv(k, v, kc, vc, slots)
+    write_kv_reference(kc_ref, vc_ref, k, v, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # padding rows left untouched
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+
+def _check_decode(
+    dev: torch.device,
+    dtype: torch.dtype,
+    ctx_lens: list[int],
+    heads: tuple[int, int, int],
+    window: int | None = None,
+    **kwargs: Any,
+) -> None:
+    num_heads, kv_heads, head_dim = heads
+    cache, tables = paged_setup(ctx_lens, kv_heads, head_dim, dtype, dev)
+    q = strided_q(len(ctx_lens), num_heads, head_dim, dtype, dev)
+    out = poisoned(q)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    paged_decode(q, cache.keys[0], cache.values[0], tables, lens, head_dim**-0.5,
+                 window=window, out=out, **kwargs)  # fmt: skip
+    ref = reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens, window)
+    assert out[len(ctx_lens) :].isnan().all()
+    assert not out[: len(ctx_lens)].isnan().any()
+    assert rel_err(out[: len(ctx_lens)], ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(2, 2, 64), (4, 1, 128), (8, 1, 64)], ids=["g1", "g4", "g8"])
+def test_decode_block_boundaries(device: str, dtype: torch.dtype, heads: tuple) -> None:
+    _check_decode(_device(device), dtype, [1, 15, 16, 17, 32, 33], heads, block_n=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("num_splits", "partition"), [(4, 16), (13, 16), (2, 32)])
+def test_decode_many_splits(device: str, num_splits: int, partition: int) -> None:
+    """Splits past a context exit; (2, 32) leaves the last split to run past 64 keys."""
+    _check_decode(_device(device), torch.float32, [1, 16, 50, 100, 200], (4, 1, 64),
+                  num_splits=num_splits, partition_size=partition, block_n=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "num_splits"), [(5, 1), (16, 3), (17, 8)])
+def test_decode_sliding_window(device: str, window: int, num_splits: int) -> None:
+    _check_decode(_device(device), torch.bfloat16, [1, 5, 17, 40, 70], (4, 2, 64),
+                  window=window, num_splits=num_splits, partition_size=16, block_n=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_empty_context_gives_zeros(device: str, num_splits: int) -> None:
+    dev = _device(device)
+    cache, tables = paged_setup([20, 0], 1, 64, torch.float32, dev)
+    q = torch.randn(2, 2, 64, device=dev)
+    lens = torch.tensor([20, 0], dtype=torch.int32, device=dev)
+    out = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 0.125,
+                       num_splits=num_splits, partition_size=16, block_n=16)  # fmt: skip
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+
+
+def test_plan_decode_splits_covers_and_scales() -> None:
+    assert plan_decode_splits(256, 8, 4608, target_programs=528) == (1, 4608)
+    splits, part = plan_decode_splits(2, 8, 4608, target_programs=528)
+    assert splits > 1 and splits * part >= 4608 and part % 64 == 0 and part >= 256
+    assert plan_decode_splits(1, 1, 1, target_programs=528) == (1, 64)
+
+
+# ----------------------------------------------------------------------------------------- prefill
+
+
+def _check_prefill(
+    dev: torch.device,
+    dtype: torch.dtype,
+    heads: tuple[int, int, int],
+    window: int | None,
+    block_m: int,
+) -> None:
+    """A decode row first (skipped via first_seq=1), then chunks with and without prior context."""
+    num_heads, kv_heads, head_dim = heads
+    q_lens, ctx_lens = [1, 5, 16, 20, 33, 1], [9, 5, 16, 36, 50, 3]
+    cache, tables = paged_setup(ctx_lens, kv_heads, head_dim, dtype, dev)
+    q = strided_q(sum(q_lens), num_heads, head_dim, dtype, dev)
+    out = poisoned(q)
+    cu = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=dev)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    paged_prefill(q, cache.keys[0], cache.values[0], tables, cu, lens, head_dim**-0.5,
+                  num_tokens=sum(q_lens) - 1, first_seq=1, window=window, out=out,
+                  block_m=block_m, block_n=16)  # fmt: skip
+    ref = reference(q, cache, tables, q_lens, ctx_lens, window)
+    assert out[0].isnan().all() and out[len(q) :].isnan().all()
+    assert not out[1 : len(q)].isnan().any()
+    assert rel_err(out[1 : len(q)], ref[1:]) < tol(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 1, 128), (4, 4, 64)], ids=["g4-d128", "g1-d64"])
+def test_prefill_chunks_with_prior_context(device: str, dtype: torch.dtype, heads: tuple) -> None:
+    _check_prefill(_device(device), dtype, heads, window=None, block_m=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "block_m"), [(7, 16), (16, 32)])
+def test_prefill_sliding_window(device: str, window: int, block_m: int) -> None:
+    _check_prefill(_device(device), torch.bfloat16, (4, 2, 64), window, block_m)
+
+
+# ----------------------------------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.bfloat16, 12)])
+def test_backend_mixed_batch_matches_reference(
+    device: str, dtype: torch.dtype, window: int | None
+) -> None:
+    """Decodes first, then prefill chunks; K/V arrive as strided views and are written first."""
+    dev = _device(device)
+    q_lens, ctx_lens = [1, 1, 1, 5, 20, 17], [1, 17, 40, 5, 36, 17]
+    num_heads, kv_heads, head_dim = 8, 2, 64
+    cache, tables = paged_setup(ctx_lens, kv_heads, head_dim, dtype, dev)
+    ref_cache = KVCache([cache.keys[0].float()], [cache.values[0].float()])
+    positions = [p for n, c in zip(q_lens, ctx_lens, strict=True) for p in range(c - n, c)]
+    seq = [i for i, n in enumerate(q_lens) for _ in range(n)]
+    pos = torch.tensor(positions, device=dev)
+    slots = tables[torch.tensor(seq, device=dev), pos // BLOCK].long() * BLOCK + pos % BLOCK
+    qkv = torch.randn(len(seq), num_heads + 2 * kv_heads, head_dim).to(dtype).to(dev)
+    q, k, v = qkv.split([num_heads, kv_heads, kv_heads], dim=1)
+    backend = TritonBackend()
+    meta = make_meta(cache, tables, q_lens, ctx_lens, backend, slots)
+    out = backend.forward(0, q, k, v, meta, head_dim**-0.5, window)
+    ref_meta = make_meta(ref_cache, tables, q_lens, ctx_lens, ReferenceBackend(), slots)
+    ref = ReferenceBackend().forward(0, q.float(), k.float(), v.float(), ref_meta,
+                                     head_dim**-0.5, window)  # fmt: skip
+    assert torch.equal(cache.keys[0].float(), ref_cache.keys[0])
+    assert torch.equal(cache.values[0].float(), ref_cache.values[0])
+    assert rel_err(out, ref) < tol(dtype)
+    assert backend.plan(meta) is backend.plan(meta)
+    assert backend.plan(meta).num_decodes == 3 and backend.plan(meta).num_prefills == 3
+
+
+def test_mismatched_heads_raise() -> None:
+    cache, tables = paged_setup([4], 3, 64, torch.float32, torch.device("cpu"))
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="num_heads"):
+        paged_decode(q, cache.keys[0], cache.values[0], tables, torch.tensor([4]).int(), 1.0)

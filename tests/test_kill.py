@@ -1,0 +1,130 @@
+"""Exactly-once output across SIGKILL and SIGTERM of a real `batchgen run` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NUM_ROWS = 300
+
+
+def make_job(model: Path, tmp_path: Path, name: str) -> list[str]:
+    inp = tmp_path / "in.jsonl"
+    if not inp.exists():
+        rows = [
+            {"uid": f"row-{i:04d}", "prompt": f"Item {i}: describe it in a few words."}
+            for i in range(NUM_ROWS)
+        ]
+        inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        sys.executable,
+        "-m",
+        "batchgen",
+        "run",
+        "--model",
+        str(model),
+        "--input",
+        str(inp),
+        "--output",
+        str(tmp_path / name),
+        "--max-new-tokens",
+        "24",
+        "--quiet",
+        "--set",
+        "prompt.id_column='uid'",
+        "--set",
+        "output.shard_rows=7",
+        "--set",
+        "runtime.device='cpu'",
+        "--set",
+        "runtime.max_num_seqs=8",
+    ]
+
+
+def committed(out: Path) -> int:
+    return len(list((out / "shards").glob("part-*"))) if (out / "shards").exists() else 0
+
+
+def results(out: Path) -> dict[str, dict]:
+    rows = (
+        [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        if (out / "results.jsonl").exists()
+        else None
+    )
+    if rows is None:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(out / "results.parquet").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == NUM_ROWS, "every id exactly once"
+    return {r["id"]: r for r in rows}
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def wait_for_shards(proc: subprocess.Popen, out: Path, at_least: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while committed(out) < at_least and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def test_sigkill_at_random_moments_loses_nothing_and_duplicates_nothing(model_dir, tmp_path):
+    model = model_dir("llama")
+    reference = subprocess.run(make_job(model, tmp_path, "ref"), capture_output=True, text=True)
+    assert reference.returncode == 0, reference.stderr
+    expected = results(tmp_path / "ref")
+
+    cmd = make_job(model, tmp_path, "killed")
+    out = tmp_path / "killed"
+    rng = random.Random(0)
+    kills = 0
+    for _attempt in range(6):
+        proc = start(cmd)
+        wait_for_shards(proc, out, committed(out) + 1, timeout=60)
+        time.sleep(rng.uniform(0.0, 0.6))
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        visible = list((out / "shards").glob("*"))
+        assert all(p.name.startswith("part-") for p in visible), "no half-visible shard"
+    assert kills >= 3, "the job finished before it could be killed often enough"
+    final = subprocess.run(cmd, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    got = results(out)
+    assert got.keys() == expected.keys()
+    for uid, row in expected.items():
+        assert got[uid]["text"] == row["text"], uid
+        assert got[uid]["finish_reason"] == row["finish_reason"]
+
+
+def test_sigterm_commits_and_exits_nonzero_then_resumes(model_dir, tmp_path):
+    model = model_dir("llama")
+    cmd = make_job(model, tmp_path, "termed")
+    out = tmp_path / "termed"
+    proc = start(cmd)
+    wait_for_shards(proc, out, 2, timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert b"Run the same command again to resume" in stderr
+    assert not list(out.rglob(".tmp-*")), "no temporary file left behind"
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["complete"] and 0 < summary["rows_committed_total"] < NUM_ROWS
+    final = subprocess.run(cmd, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    results(out)
