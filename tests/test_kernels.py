@@ -31,7 +31,7 @@ from batchgen.engine.kernels import (  # noqa: E402
     plan_decode_splits,
     write_kv,
 )
-from batchgen.engine.triton_backend import TritonBackend  # noqa: E402
+from batchgen.engine.triton_backend import TritonBackend, TritonTuning  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP32_TOL = 1e-5
@@ -86,7 +86,10 @@ def _patch_interpreter() -> None:
 
 
 if INTERPRET:
-    _patch_interpreter()
+    try:
+        _patch_interpreter()
+    except (AttributeError, ImportError) as e:  # the interpreter's internals moved
+        pytest.skip(f"cannot adapt Triton's interpreter: {e}", allow_module_level=True)
 
 
 def _device(name: str) -> torch.device:
@@ -139,7 +142,7 @@ def make_meta(
         context_lens_host=ctx_lens,
         max_query_len=max(q_lens),
         max_context_len=max(ctx_lens),
-        num_decodes=sum(n == 1 for n in q_lens),
+        num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),  # leading
         kv_cache=cache,
         backend=backend,
     )
@@ -218,24 +221,26 @@ def _check_decode(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(2, 2, 64), (4, 1, 128), (8, 1, 64)], ids=["g1", "g4", "g8"])
+@pytest.mark.parametrize(
+    "heads", [(2, 2, 64), (4, 1, 128), (8, 1, 64), (4, 2, 80)], ids=["g1", "g4", "g8", "g2-d80"]
+)
 def test_decode_block_boundaries(device: str, dtype: torch.dtype, heads: tuple) -> None:
     _check_decode(_device(device), dtype, [1, 15, 16, 17, 32, 33], heads, block_n=16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("num_splits", "partition"), [(4, 16), (13, 16), (2, 32)])
-def test_decode_many_splits(device: str, num_splits: int, partition: int) -> None:
-    """Splits past a context exit; (2, 32) leaves the last split to run past 64 keys."""
+@pytest.mark.parametrize(("num_splits", "min_partition"), [(3, 16), (13, 16), (5, 32)])
+def test_decode_many_splits(device: str, num_splits: int, min_partition: int) -> None:
+    """Short contexts leave splits empty (they exit, the combine skips them)."""
     _check_decode(_device(device), torch.float32, [1, 16, 50, 100, 200], (4, 1, 64),
-                  num_splits=num_splits, partition_size=partition, block_n=16)  # fmt: skip
+                  num_splits=num_splits, min_partition=min_partition, block_n=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("window", "num_splits"), [(5, 1), (16, 3), (17, 8)])
 def test_decode_sliding_window(device: str, window: int, num_splits: int) -> None:
     _check_decode(_device(device), torch.bfloat16, [1, 5, 17, 40, 70], (4, 2, 64),
-                  window=window, num_splits=num_splits, partition_size=16, block_n=16)  # fmt: skip
+                  window=window, num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -246,15 +251,15 @@ def test_decode_empty_context_gives_zeros(device: str, num_splits: int) -> None:
     q = torch.randn(2, 2, 64, device=dev)
     lens = torch.tensor([20, 0], dtype=torch.int32, device=dev)
     out = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 0.125,
-                       num_splits=num_splits, partition_size=16, block_n=16)  # fmt: skip
+                       num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
 
 
-def test_plan_decode_splits_covers_and_scales() -> None:
-    assert plan_decode_splits(256, 8, 4608, target_programs=528) == (1, 4608)
-    splits, part = plan_decode_splits(2, 8, 4608, target_programs=528)
-    assert splits > 1 and splits * part >= 4608 and part % 64 == 0 and part >= 256
-    assert plan_decode_splits(1, 1, 1, target_programs=528) == (1, 64)
+def test_plan_decode_splits_from_shapes() -> None:
+    assert plan_decode_splits(256, 8, 4608, target_programs=528) == 1
+    assert plan_decode_splits(8, 8, 4608, target_programs=528) == 9
+    assert plan_decode_splits(1, 8, 4608, target_programs=528) == 18  # >= 256 keys each
+    assert plan_decode_splits(1, 8, 131072, target_programs=528, max_splits=64) == 64
 
 
 # ----------------------------------------------------------------------------------------- prefill
@@ -300,10 +305,17 @@ def test_prefill_sliding_window(device: str, window: int, block_m: int) -> None:
 # ----------------------------------------------------------------------------------------- backend
 
 
+SMALL_TILES = TritonTuning(decode_block_n=16, decode_min_partition=16, prefill_block_n=16)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.bfloat16, 12)])
+@pytest.mark.parametrize(
+    ("dtype", "window", "tuning"),
+    [(torch.float32, None, None), (torch.bfloat16, 12, None), (torch.bfloat16, None, SMALL_TILES)],
+    ids=["fp32", "bf16-window", "bf16-split"],
+)
 def test_backend_mixed_batch_matches_reference(
-    device: str, dtype: torch.dtype, window: int | None
+    device: str, dtype: torch.dtype, window: int | None, tuning: TritonTuning | None
 ) -> None:
     """Decodes first, then prefill chunks; K/V arrive as strided views and are written first."""
     dev = _device(device)
@@ -317,7 +329,7 @@ def test_backend_mixed_batch_matches_reference(
     slots = tables[torch.tensor(seq, device=dev), pos // BLOCK].long() * BLOCK + pos % BLOCK
     qkv = torch.randn(len(seq), num_heads + 2 * kv_heads, head_dim).to(dtype).to(dev)
     q, k, v = qkv.split([num_heads, kv_heads, kv_heads], dim=1)
-    backend = TritonBackend()
+    backend = TritonBackend(tuning)
     meta = make_meta(cache, tables, q_lens, ctx_lens, backend, slots)
     out = backend.forward(0, q, k, v, meta, head_dim**-0.5, window)
     ref_meta = make_meta(ref_cache, tables, q_lens, ctx_lens, ReferenceBackend(), slots)
@@ -327,7 +339,9 @@ def test_backend_mixed_batch_matches_reference(
     assert torch.equal(cache.values[0].float(), ref_cache.values[0])
     assert rel_err(out, ref) < tol(dtype)
     assert backend.plan(meta) is backend.plan(meta)
-    assert backend.plan(meta).num_decodes == 3 and backend.plan(meta).num_prefills == 3
+    plan = backend.plan(meta)
+    assert (plan.num_decodes, plan.num_prefills, plan.num_prefill_tokens) == (3, 3, 42)
+    assert (plan.num_splits > 1) == (tuning is SMALL_TILES)  # the split + combine path ran
 
 
 def test_mismatched_heads_raise() -> None:

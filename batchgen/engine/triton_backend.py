@@ -22,14 +22,16 @@ CPU_TARGET_PROGRAMS = 8  # the interpreter has no SMs: a small number keeps test
 class TritonTuning:
     """Tile sizes and split policy; defaults are for bf16 Llama shapes on an H200."""
 
-    decode_block_n: int = 64
-    decode_min_partition: int = 256
+    decode_block_n: int = 64  # keys per inner-loop tile
+    decode_min_partition: int = 256  # fewest keys a split is given
     decode_max_splits: int = 64
-    prefill_block_m: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    prefill_block_m: int = 64  # queries per program
     prefill_small_block_m: int = 16  # for steps whose prefill chunks are all this short
     prefill_block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -53,15 +55,20 @@ class TritonPlan:
     """One step's launch parameters, from host-side metadata only (computed once per step)."""
 
     num_decodes: int  # sequences [0, num_decodes) have one query token, at rows [0, num_decodes)
-    num_splits: int
-    partition_size: int
+    num_splits: int  # decode KV partitions per sequence (from shapes only: graph-safe)
     num_prefills: int  # sequences [num_decodes, B)
     num_prefill_tokens: int
     prefill_block_m: int
 
 
 class TritonBackend:
-    """AttentionBackend on Triton kernels: write K/V, then decode rows, then prefill rows."""
+    """AttentionBackend on Triton kernels: write K/V, then decode rows, then prefill rows.
+
+    Decode-only steps are CUDA-graph capturable: nothing on the decode path reads contexts on
+    the host, so a warm-up run compiles exactly what its capture will launch.
+    """
+
+    graphable = True
 
     def __init__(self, tuning: TritonTuning | None = None) -> None:
         from batchgen.engine import kernels  # imports triton
@@ -97,8 +104,8 @@ class TritonBackend:
             kern.paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                 window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits,
-                partition_size=plan.partition_size, out=out, block_n=tune.decode_block_n,
-                num_warps=tune.num_warps, num_stages=tune.num_stages,
+                min_partition=tune.decode_min_partition, out=out, block_n=tune.decode_block_n,
+                num_warps=tune.decode_num_warps, num_stages=tune.decode_num_stages,
             )  # fmt: skip
         if plan.num_prefills:
             kern.paged_prefill(
@@ -106,7 +113,7 @@ class TritonBackend:
                 scale, num_tokens=plan.num_prefill_tokens, first_seq=plan.num_decodes,
                 num_seqs=plan.num_prefills, window=window, out=out,
                 block_m=plan.prefill_block_m, block_n=tune.prefill_block_n,
-                num_warps=tune.num_warps, num_stages=tune.num_stages,
+                num_warps=tune.prefill_num_warps, num_stages=tune.prefill_num_stages,
             )  # fmt: skip
         return out
 
@@ -115,26 +122,19 @@ class TritonBackend:
         num_decodes = meta.num_decodes
         num_seqs = len(cu) - 1
         k_cache = meta.kv_cache.keys[0]
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            max_context = meta.block_tables.shape[1] * block_size  # replays may see any length
-        else:
-            max_context = max(meta.context_lens_host[:num_decodes], default=1)
-        num_splits, partition = self.kernels.plan_decode_splits(
+        num_splits = self.kernels.plan_decode_splits(
             num_decodes,
-            num_kv_heads,
-            max_context,
+            k_cache.shape[2],
+            meta.block_tables.shape[1] * k_cache.shape[1],
             target_programs=_target_programs(k_cache.device),
             min_partition=tune.decode_min_partition,
             max_splits=tune.decode_max_splits,
-            block_n=tune.decode_block_n,
         )
         longest = max((b - a for a, b in pairwise(cu[num_decodes:])), default=0)
         small = longest <= tune.prefill_small_block_m
         return TritonPlan(
             num_decodes=num_decodes,
             num_splits=num_splits,
-            partition_size=partition,
             num_prefills=num_seqs - num_decodes,
             num_prefill_tokens=cu[-1] - cu[num_decodes],
             prefill_block_m=tune.prefill_small_block_m if small else tune.prefill_block_m,

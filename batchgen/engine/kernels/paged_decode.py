@@ -1,12 +1,12 @@
 """Paged decode attention, flash-decoding style: one query token per sequence.
 
 Grid (num_seqs, num_kv_heads, num_splits). A program attends all H/Hkv query heads of one KV
-head (padded to >= 16 rows so tl.dot applies) over one partition of the KV range, walking the
-block table. With one split it writes the output directly; otherwise it writes a normalized
-partial output and its log2-sum-exp, and _combine_kernel merges the splits. Context lengths are
-read on the device and the last split runs to the end of its context, so (num_splits,
-partition_size) only tune speed: a launch is correct, and CUDA-graph capturable, for any
-contexts. Splits past a context exit at once and the combine skips them.
+head (padded to >= 16 rows so tl.dot applies) over one partition of the visible KV range,
+walking the block table. With one split it writes the output directly; otherwise it writes a
+normalized partial output and its log2-sum-exp, and _combine_kernel merges the splits.
+Context lengths are read on the device, and each sequence cuts its own range into num_splits
+partitions of at least min_partition keys; the launch parameters never depend on contexts, so
+one launch (or CUDA graph) is correct and balanced for any. Empty splits exit at once.
 """
 
 from __future__ import annotations
@@ -23,12 +23,18 @@ NO_WINDOW = 1 << 30  # window passed to the kernels when there is none (> any co
 
 
 @triton.jit
-def _split_range(ctx, window, split, num_splits, partition_size):
-    """Keys [start, end) of split(s) for a query at ctx - 1; the last split runs to ctx, so any
-    (num_splits, partition_size) is correct. Empty (start >= end) splits hold no keys."""
-    start = tl.maximum(split * partition_size, ctx - window)
-    end = tl.where(split == num_splits - 1, ctx, tl.minimum((split + 1) * partition_size, ctx))
-    return start, end
+def _split_range(ctx, window, split, num_splits, min_partition, BLOCK_N: tl.constexpr):
+    """Keys [start, end) of split(s) for a query at position ctx - 1 (start >= end: none).
+
+    The visible keys [ctx - window, ctx) are cut from a BLOCK_N-aligned base into num_splits
+    partitions of max(min_partition, ceil(visible / num_splits)) keys, rounded to BLOCK_N.
+    """
+    lo = tl.maximum(ctx - window, 0)
+    base = lo // BLOCK_N * BLOCK_N
+    part = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
+    part = tl.maximum(part, min_partition)
+    start = tl.maximum(base + split * part, lo)
+    return start, tl.minimum(base + (split + 1) * part, ctx)
 
 
 @triton.jit
@@ -63,7 +69,7 @@ def _decode_kernel(
     lse_ptr,  # [B, H, S] fp32 log2-sum-exp of each partial (unused when DIRECT)
     scale_log2,
     window,
-    partition_size,
+    min_partition,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -87,7 +93,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start, end = _split_range(ctx, window, split, tl.num_programs(2), partition_size)
+    start, end = _split_range(ctx, window, split, tl.num_programs(2), min_partition, BLOCK_N)
     if not DIRECT:  # noqa: SIM102 (compile-time branch around a runtime one)
         if start >= end:
             return  # no keys here: the combine skips this split
@@ -126,12 +132,13 @@ def _combine_kernel(
     context_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D]
     window,
-    partition_size,
+    min_partition,
     num_splits,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -139,7 +146,7 @@ def _combine_kernel(
     ctx = tl.load(context_lens_ptr + b)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    start, end = _split_range(ctx, window, s, num_splits, partition_size)
+    start, end = _split_range(ctx, window, s, num_splits, min_partition, BLOCK_N)
     valid = (start < end) & (s < num_splits)  # [BLOCK_S] splits the decode kernel wrote
     row = (b * tl.num_programs(1) + h) * num_splits
     lse = tl.load(lse_ptr + row + s, mask=valid, other=float("-inf"))
@@ -156,24 +163,20 @@ def _combine_kernel(
 def plan_decode_splits(
     num_seqs: int,
     num_kv_heads: int,
-    max_context: int,
+    capacity: int,
     *,
     target_programs: int,
     min_partition: int = 256,
     max_splits: int = 64,
-    block_n: int = 64,
-) -> tuple[int, int]:
-    """-> (num_splits, partition_size): about target_programs programs over max_context keys.
+) -> int:
+    """-> num_splits giving about target_programs programs, from launch shapes only.
 
-    Any result is correct; it is fast when max_context bounds the contexts the launch will see
-    (under CUDA-graph capture: the block tables' width * block_size).
+    capacity: the most keys a sequence can have (block-table width * block_size); no split
+    gets fewer than min_partition keys of it. Contexts are not needed, so a CUDA-graph warm-up
+    and its capture plan alike.
     """
-    max_context = max(max_context, 1)
     wanted = math.ceil(target_programs / max(num_seqs * num_kv_heads, 1))
-    cap = min(max_splits, math.ceil(max_context / min_partition))
-    num_splits = max(1, min(wanted, cap))
-    partition = math.ceil(math.ceil(max_context / num_splits) / block_n) * block_n
-    return math.ceil(max_context / partition), partition
+    return max(1, min(wanted, max_splits, math.ceil(capacity / min_partition)))
 
 
 def paged_decode(
@@ -187,7 +190,7 @@ def paged_decode(
     window: int | None = None,
     num_seqs: int | None = None,
     num_splits: int = 1,
-    partition_size: int | None = None,
+    min_partition: int = 256,
     out: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -198,23 +201,19 @@ def paged_decode(
     q: [>= B, H, D] (any strides); row b < B = num_seqs (default q.shape[0]) is sequence b's
     query, at position context_lens[b] - 1. Caches: [num_blocks, block_size, Hkv, D] (same
     strides). block_tables: [>= B, W] int32; context_lens: [>= B] int32, read on the device
-    (0 gives zeros). window: keys with q_pos - k_pos >= window are masked. The KV range is cut
-    into num_splits partitions of partition_size keys (default: the tables' capacity / splits;
-    a multiple of block_n), the last running to the context's end. out: optional [>= B, H, D]
-    buffer (contiguous last dim); its rows >= B are untouched.
+    (0 gives zeros). window: keys with q_pos - k_pos >= window are masked. Each sequence's
+    visible keys are cut into num_splits partitions of >= min_partition keys (a multiple of
+    block_n). out: optional [>= B, H, D] buffer (contiguous last dim); rows >= B untouched.
     """
     num_seqs = q.shape[0] if num_seqs is None else num_seqs
-    capacity = max(block_tables.shape[1] * k_cache.shape[1], 1)
-    if partition_size is None:
-        partition_size = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    out = _check_decode(q, k_cache, v_cache, out, num_splits, partition_size, block_n)
+    out = _check_decode(q, k_cache, v_cache, out, num_splits, min_partition, block_n)
     if num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     consts = _decode_consts(q, k_cache, block_n, num_splits, num_warps, num_stages)
     grid = (num_seqs, k_cache.shape[2], num_splits)
     args = (q, k_cache, v_cache, block_tables, context_lens)
-    sizes = (scale * LOG2E, window or NO_WINDOW, partition_size, *q.stride()[:2])
+    sizes = (scale * LOG2E, window or NO_WINDOW, min_partition, *q.stride()[:2])
     strides = (*k_cache.stride()[:3], *block_tables.stride())
     if num_splits == 1:
         ostrides = (*out.stride()[:2], 0)
@@ -225,10 +224,11 @@ def paged_decode(
     lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
     _decode_kernel[grid](*args, part, lse, *sizes, *strides, *part.stride()[:3], **consts)
     _combine_kernel[(num_seqs, num_heads)](
-        part, lse, context_lens, out, window or NO_WINDOW, partition_size, num_splits,
+        part, lse, context_lens, out, window or NO_WINDOW, min_partition, num_splits,
         *out.stride()[:2],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
     )  # fmt: skip
     return out
@@ -263,14 +263,14 @@ def _check_decode(
     v_cache: torch.Tensor,
     out: torch.Tensor | None,
     num_splits: int,
-    partition_size: int,
+    min_partition: int,
     block_n: int,
 ) -> torch.Tensor:
     """Validate; -> the output buffer (allocated when out is None)."""
     check_paged_args(q, k_cache, v_cache)
-    if num_splits < 1 or partition_size < block_n or partition_size % block_n:
+    if num_splits < 1 or min_partition < block_n or min_partition % block_n:
         raise ValueError(
-            f"num_splits={num_splits} must be >= 1 and partition_size={partition_size} a "
+            f"num_splits={num_splits} must be >= 1 and min_partition={min_partition} a "
             f"positive multiple of block_n={block_n}"
         )
     return output_buffer(q, out)

@@ -1,0 +1,138 @@
+"""The CUDA path: Triton attention, CUDA graphs, pinned double buffers and streams.
+
+Run on a GPU machine (`pytest -m gpu`); skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from tests.helpers import random_prompts
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_engine(path: Path, **overrides) -> Engine:
+    return Engine(path, EngineConfig(device="cuda", **overrides))
+
+
+def hf_greedy_cuda(path: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def tokens(engine: Engine, prompts, params: SamplingParams) -> dict[str, list[int]]:
+    outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
+    assert all(o.finish_reason != "error" for o in outs.values())
+    return {k: o.output_token_ids for k, o in outs.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp32_triton_graphs_match_hf(model_dir, arch: str) -> None:
+    path = model_dir(arch)
+    prompts = random_prompts(12, 2, 60, 1000, seed=3)
+    engine = cuda_engine(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+    assert type(engine.runner.backend).__name__ == "TritonBackend"
+    assert engine.runner.graphs is not None
+    got = tokens(engine, prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy_cuda(path, prompt, 20), f"request {i}"
+
+
+def test_graphs_eager_overlap_sync_agree(model_dir) -> None:
+    path = model_dir("llama")
+    prompts = random_prompts(20, 2, 80, 1000, seed=4)
+    items = [
+        Prompt(p, sampling={"temperature": 0.9 * (i % 2), "seed": i}) for i, p in enumerate(prompts)
+    ]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    runs = {}
+    for graphs in (True, False):
+        for overlap in (True, False):
+            engine = cuda_engine(
+                path,
+                dtype="float32",
+                cuda_graphs=graphs,
+                overlap=overlap,
+                max_num_seqs=16,
+                max_num_batched_tokens=128,
+            )
+            runs[(graphs, overlap)] = tokens(engine, items, params)
+    first = runs[(True, True)]
+    assert all(r == first for r in runs.values())
+
+
+def test_preemption_on_gpu_matches_reference(model_dir) -> None:
+    path = model_dir("llama")
+    prompts = random_prompts(10, 10, 40, 1000, seed=5)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    small = cuda_engine(
+        path,
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=12,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    got = tokens(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    ref = cuda_engine(path, dtype="float32", attention_backend="reference", cuda_graphs=False)
+    assert got == tokens(ref, prompts, params)
+
+
+def test_bf16_overlap_equals_sync_and_capture_report(model_dir) -> None:
+    path = model_dir("llama")
+    prompts = random_prompts(40, 2, 100, 1000, seed=6)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    a = cuda_engine(path, dtype="bfloat16", overlap=True, max_num_seqs=32)
+    report = a.runner.graphs.report
+    assert report.sizes and report.seconds > 0
+    b = cuda_engine(path, dtype="bfloat16", overlap=False, max_num_seqs=32)
+    assert tokens(a, prompts, params) == tokens(b, prompts, params)
+
+
+def test_kv_cache_is_sized_from_free_memory(model_dir) -> None:
+    engine = cuda_engine(model_dir("llama"), kv_cache_memory_fraction=0.05)
+    assert engine.num_blocks > 1000
+    assert engine.runner.kv_cache.keys[0].is_cuda
+
+
+def test_batchgen_run_job_on_gpu(model_dir, tmp_path: Path) -> None:
+    from batchgen.job import run_job
+    from batchgen.spec import load_spec
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"Item {i} is"}) + "\n" for i in range(50)))
+    spec = load_spec(
+        None,
+        [
+            f"model.path={json.dumps(str(model_dir('llama')))}",
+            f"input.path={json.dumps(str(inp))}",
+            f"output.dir={json.dumps(str(tmp_path / 'out'))}",
+            "runtime.quiet=true",
+            "runtime.device='cuda'",
+            "sampling.max_new_tokens=16",
+        ],
+    )
+    result = run_job(spec)
+    assert result.complete and result.summary["rows_ok"] == 50
