@@ -18,6 +18,8 @@ pytestmark = pytest.mark.gpu
 
 
 def cuda_engine(path: Path, **overrides) -> Engine:
+    """A small fixed KV cache: several engines share the GPU within one test."""
+    overrides.setdefault("num_kv_blocks", 2048)
     return Engine(path, EngineConfig(device="cuda", **overrides))
 
 
@@ -112,7 +114,7 @@ def test_bf16_overlap_equals_sync_and_capture_report(model_dir) -> None:
 
 
 def test_kv_cache_is_sized_from_free_memory(model_dir) -> None:
-    engine = cuda_engine(model_dir("llama"), kv_cache_memory_fraction=0.05)
+    engine = cuda_engine(model_dir("llama"), kv_cache_memory_fraction=0.05, num_kv_blocks=None)
     assert engine.num_blocks > 1000
     assert engine.runner.kv_cache.keys[0].is_cuda
 

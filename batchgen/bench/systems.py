@@ -51,8 +51,9 @@ def run_batchgen(
 ) -> tuple[RunResult, dict]:
     """One timed engine run (after a short warm-up that compiles kernels)."""
     engine = Engine(model, config)
-    warmup = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    list(engine.generate([p[:64] for p in prompts[:8]], warmup, decode=False))
+    # warm-up on a slice of the same prompts: Triton compiles every kernel variant here
+    warmup = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    list(engine.generate(prompts[:64], warmup, decode=False))
     engine.runner.timeline = []
     params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
     torch.cuda.synchronize()
@@ -68,6 +69,7 @@ def run_batchgen(
         "graph_capture_s": graphs.report.seconds if graphs else None,
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
+        **step_breakdown(engine.runner.timeline, seconds),
     }
     idle = gpu_idle_share(engine.runner.timeline)
     name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
@@ -75,6 +77,19 @@ def run_batchgen(
     gc.collect()
     torch.cuda.empty_cache()
     return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle, ""), info
+
+
+def step_breakdown(timeline: list, wall_s: float) -> dict:
+    """Where the GPU time went: graphed decode steps vs eager (prefill / mixed) steps."""
+    graphed = [s.elapsed_time(e) for s, e, g in timeline if g]
+    eager = [s.elapsed_time(e) for s, e, g in timeline if not g]
+    return {
+        "graphed_steps": len(graphed),
+        "graphed_step_ms": round(statistics.fmean(graphed), 3) if graphed else None,
+        "eager_steps": len(eager),
+        "eager_s": round(sum(eager) / 1e3, 3),
+        "gpu_busy_share": round((sum(graphed) + sum(eager)) / 1e3 / wall_s, 3),
+    }
 
 
 def gpu_idle_share(timeline: list | None, skip: int = 5) -> float | None:

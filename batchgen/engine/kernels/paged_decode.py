@@ -58,7 +58,7 @@ def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "min_partition"])
 def _decode_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]; v_cache has the same strides
@@ -125,7 +125,7 @@ def _decode_kernel(
         tl.store(lse_ptr + lse_row + split, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
 def _combine_kernel(
     part_ptr,  # [B, H, S, D] fp32, normalized partial outputs
     lse_ptr,  # [B, H, S] fp32

@@ -40,7 +40,7 @@ def _find_seq(cu_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "first_seq", "num_seqs"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]; v_cache has the same strides
