@@ -349,3 +349,41 @@ def test_mismatched_heads_raise() -> None:
     q = torch.randn(1, 4, 64)
     with pytest.raises(ValueError, match="num_heads"):
         paged_decode(q, cache.keys[0], cache.values[0], tables, torch.tensor([4]).int(), 1.0)
+
+
+# -- fused elementwise ops against the Hugging Face modules they replace -------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import (
+        LlamaMLP,
+        LlamaRMSNorm,
+        apply_rotary_pos_emb,
+    )
+
+    from batchgen.engine.kernels.fused_ops import rms_norm, rope, silu_mul
+
+    torch.manual_seed(0)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    x = torch.randn(1, 5, 48, device=device, dtype=dtype)
+    norm = LlamaRMSNorm(48, eps=1e-5).to(device, dtype)
+    norm.weight.data.normal_()
+    ref = norm(x)
+    assert _rel(rms_norm(x, norm.weight, 1e-5), ref) <= (0 if dtype == torch.float32 else tol)
+    gate, up = torch.randn(2, 5, 96, device=device, dtype=dtype).unbind(0)
+    ref = torch.nn.functional.silu(gate) * up
+    assert _rel(silu_mul(gate, up), ref) <= tol
+    q = torch.randn(1, 5, 4, 32, device=device, dtype=dtype).transpose(1, 2)  # [1, H, T, D]
+    k = torch.randn(1, 5, 2, 32, device=device, dtype=dtype).transpose(1, 2)
+    angles = torch.randn(1, 5, 16, device=device)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    assert _rel(rope(q, cos, sin), q_ref) <= tol and _rel(rope(k, cos, sin), k_ref) <= tol
+    assert LlamaMLP  # the module swap is exercised end to end in tests/test_gpu.py
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -18,6 +18,7 @@ from batchgen.bench.systems import (
     run_batchgen,
     run_hf_generate_batch,
     run_hf_static,
+    teacher_forced_agreement,
 )
 from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
 from batchgen.engine import EngineConfig
@@ -53,6 +54,9 @@ def run_bench(
         results.append(result)
         print(f"  {result.system}: {result.tokens_per_s:,.0f} output tok/s", flush=True)
     bound = roofline_seconds(shape, [len(p) for p in prompts], workload.output_tokens)
+    first = next((r for r in results if r.system.startswith("batchgen")), None)
+    if first is not None:
+        infos["hf_teacher_forced"] = teacher_forced_agreement(model, prompts, first.tokens)
     return {
         "shape": shape_name,
         "workload": workload.name,

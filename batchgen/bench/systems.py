@@ -73,6 +73,7 @@ def run_batchgen(
     }
     idle = gpu_idle_share(engine.runner.timeline)
     name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
+    engine.close()
     del engine, graphs
     gc.collect()
     torch.cuda.empty_cache()
@@ -157,6 +158,9 @@ def run_hf_generate_batch(
             prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True
         )
     seconds = time.perf_counter() - start
+    failed = [o for o in outs.values() if o.error]
+    if failed:
+        print(f"  generate_batch: {len(failed)} requests failed; first error: {failed[0].error}")
     ordered = sorted(outs.values(), key=lambda o: int(o.request_id.split("_")[-1]))
     tokens = [o.generated_tokens for o in ordered]
     ttft = [o.timestamps[0] - start for o in ordered if o.timestamps]
@@ -193,3 +197,33 @@ def match_rate(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def teacher_forced_agreement(
+    model: PreTrainedModel, prompts: list[list[int]], tokens: list[list[int]], limit: int = 16
+) -> dict:
+    """Hugging Face (sdpa, bf16) re-reads each prompt + batchgen's tokens: at every generated
+    position, is HF's argmax batchgen's token? Where not, how far apart are their logits
+    (a near-tie when the gap is within bf16 rounding of the logits)?"""
+    model.set_attn_implementation("sdpa")
+    agree = total = 0
+    gaps: list[float] = []
+    top2: list[float] = []
+    for prompt, out in zip(prompts[:limit], tokens[:limit], strict=True):
+        ids = torch.tensor([prompt + out], device="cuda")
+        with torch.inference_mode():
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(out) - 1].float()
+        want = torch.tensor(out, device="cuda")
+        best = logits.argmax(-1)
+        agree += int((best == want).sum())
+        total += len(out)
+        bad = best != want
+        picked = logits.gather(1, want[:, None])[:, 0]
+        gaps += (logits.max(-1).values - picked)[bad].tolist()
+        top2 += (logits.topk(2).values[:, 0] - logits.topk(2).values[:, 1]).tolist()
+    return {
+        "teacher_forced_top1_agreement": round(agree / max(total, 1), 4),
+        "disagreements": len(gaps),
+        "max_logit_gap_at_disagreement": round(max(gaps), 4) if gaps else 0.0,
+        "median_top1_top2_gap": round(median(top2), 4),
+    }

@@ -27,6 +27,7 @@ class EngineConfig:
         default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     )
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
 
     def __post_init__(self) -> None:

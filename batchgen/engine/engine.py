@@ -142,6 +142,11 @@ class Engine:
             raise RuntimeError("scheduler made no progress with nothing in flight")
         return self._postprocess(*previous) if previous is not None else []
 
+    def close(self) -> None:
+        """Drop queued work and give a caller-owned model its own modules back."""
+        self.abort_all()
+        self.runner.close()
+
     def drain(self) -> list[RequestOutput]:
         """Post-process the step in flight, launching nothing new."""
         previous, self._in_flight = self._in_flight, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from itertools import pairwise
 
 import torch
@@ -10,6 +11,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.attention import AttentionBackend, AttentionMetadata, KVCache, ReferenceBackend
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
 from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape, model_shape
 from batchgen.engine.sampler import Sampler
@@ -62,6 +64,14 @@ def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend
     from batchgen.engine.triton_backend import TritonBackend
 
     return TritonBackend()
+
+
+def _triton_type() -> type:
+    if not _has_triton():
+        return type(None)
+    from batchgen.engine.triton_backend import TritonBackend
+
+    return TritonBackend
 
 
 def _has_triton() -> bool:
@@ -120,6 +130,11 @@ class ModelRunner:
         self.transfer = Transfer(size, config.max_num_seqs, device)
         # (start, end, graphed) CUDA events per step when a benchmark asks for a timeline
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] | None = None
+        self.fused: list[torch.nn.Module] = []
+        self.rope = contextlib.nullcontext
+        if config.fused_ops and device.type == "cuda" and isinstance(self.backend, _triton_type()):
+            self.fused = fuse_modules(model)
+            self.rope = RopeSwap(model).active
         self.graphs: DecodeGraphs | None = None
         if (
             device.type == "cuda"
@@ -161,14 +176,21 @@ class ModelRunner:
         """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
         step = unpack_step(flat, host.layout)
         ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
-        out = self.model(
-            input_ids=ids[None],
-            position_ids=step.positions[None],
-            logits_to_keep=step.sample_idx,
-            use_cache=False,
-            batchgen_meta=self._metadata(host, step),
-        )
+        with self.rope():
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=step.positions[None],
+                logits_to_keep=step.sample_idx,
+                use_cache=False,
+                batchgen_meta=self._metadata(host, step),
+            )
         return out.logits[0]
+
+    def close(self) -> None:
+        """Give the model its own modules back and drop the graphs (the model may be reused)."""
+        unfuse_modules(self.fused)
+        self.fused = []
+        self.graphs = None
 
     def _metadata(self, host: HostStep, step) -> AttentionMetadata:
         bs = self.config.block_size
