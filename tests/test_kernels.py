@@ -371,7 +371,8 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
     norm = LlamaRMSNorm(48, eps=1e-5).to(device, dtype)
     norm.weight.data.normal_()
     ref = norm(x)
-    assert _rel(rms_norm(x, norm.weight, 1e-5), ref) <= (0 if dtype == torch.float32 else tol)
+    exact = dtype == torch.float32 and device == "cpu"  # same op order as PyTorch's CPU path
+    assert _rel(rms_norm(x, norm.weight, 1e-5), ref) <= (0 if exact else tol)
     gate, up = torch.randn(2, 5, 96, device=device, dtype=dtype).unbind(0)
     ref = torch.nn.functional.silu(gate) * up
     assert _rel(silu_mul(gate, up), ref) <= tol

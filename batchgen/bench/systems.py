@@ -153,7 +153,7 @@ def run_hf_generate_batch(
     )
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: generate_batch's worker updates its tensors
         outs = model.generate_batch(
             prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True
         )
@@ -205,16 +205,14 @@ def teacher_forced_agreement(
     """Hugging Face (sdpa, bf16) re-reads each prompt + batchgen's tokens: at every generated
     position, is HF's argmax batchgen's token? Where not, how far apart are their logits
     (a near-tie when the gap is within bf16 rounding of the logits)?"""
-    model.set_attn_implementation("sdpa")
-    agree = total = 0
+    agree = total = self_agree = 0
     gaps: list[float] = []
     top2: list[float] = []
     for prompt, out in zip(prompts[:limit], tokens[:limit], strict=True):
-        ids = torch.tensor([prompt + out], device="cuda")
-        with torch.inference_mode():
-            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(out) - 1].float()
+        logits = _hf_logits(model, prompt, out, "sdpa")
         want = torch.tensor(out, device="cuda")
         best = logits.argmax(-1)
+        self_agree += int((_hf_logits(model, prompt, out, "eager").argmax(-1) == best).sum())
         agree += int((best == want).sum())
         total += len(out)
         bad = best != want
@@ -226,4 +224,15 @@ def teacher_forced_agreement(
         "disagreements": len(gaps),
         "max_logit_gap_at_disagreement": round(max(gaps), 4) if gaps else 0.0,
         "median_top1_top2_gap": round(median(top2), 4),
+        "hf_sdpa_vs_hf_eager_top1_agreement": round(self_agree / max(total, 1), 4),
     }
+
+
+def _hf_logits(
+    model: PreTrainedModel, prompt: list[int], out: list[int], attn: str
+) -> torch.Tensor:
+    """[len(out), vocab] float32 logits that predicted each of out's tokens."""
+    model.set_attn_implementation(attn)
+    ids = torch.tensor([prompt + out], device="cuda")
+    with torch.inference_mode():
+        return model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(out) - 1].float()
