@@ -26,6 +26,8 @@ from batchgen.spec import JobSpec
 OUTPUT_COLUMNS = (
     "index",
     "id",
+    "sample_index",
+    "logprobs",
     "text",
     "finish_reason",
     "num_prompt_tokens",
@@ -129,6 +131,7 @@ def _drive_engine(
 ) -> None:
     """The engine thread: prompts in, finished requests out to the writer."""
     in_flight: dict[int, RowPrompt] = {}
+    finished: dict[int, int] = {}  # samples finished so far, for prompts with n > 1
 
     def prompts() -> Any:
         for row in producer.prompts():
@@ -141,7 +144,13 @@ def _drive_engine(
             yield Prompt(row.prompt_ids, str(row.index), row.overrides or None)
 
     for out in engine.generate(prompts(), spec.sampling, decode=False, stop=stop):
-        consumer.queue.put((in_flight.pop(int(out.request_id)), out))
+        index = int(out.request_id)
+        finished[index] = finished.get(index, 0) + 1
+        if finished[index] == out.num_samples:
+            del finished[index]
+            consumer.queue.put((in_flight.pop(index), out))
+        else:
+            consumer.queue.put((in_flight[index], out))
 
 
 def _progress(bar: tqdm, started: float) -> Any:

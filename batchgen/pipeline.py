@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.request import RequestOutput
+from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.prompts import PromptBuilder, RowPrompt
 
@@ -132,6 +132,7 @@ class Consumer(threading.Thread):
         self.include_token_ids = include_token_ids
         self.on_row = on_row
         self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
+        self._samples: dict[int, list[dict[str, Any]]] = {}  # index -> finished samples so far
         self.stats = Stats()
         self.error: BaseException | None = None
 
@@ -145,21 +146,31 @@ class Consumer(threading.Thread):
                     continue
                 if item is None:
                     break
-                self.writer.add(self._row(*item))
-                self.on_row(self.stats)
+                self._collect(*item)
         except BaseException as exc:
             self.error = exc
         finally:
             self.writer.commit()
 
+    def _collect(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
+        """Write an input row's samples together, once all of them have finished."""
+        group = self._samples.setdefault(prompt.index, [])
+        group.append(self._row(prompt, out))
+        if len(group) == (1 if out is None else out.num_samples):
+            del self._samples[prompt.index]
+            self.writer.add_group(sorted(group, key=lambda r: r["sample_index"]))
+            self.on_row(self.stats)
+
     def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> dict[str, Any]:
         error = prompt.error if out is None else out.error
         num_prompt = len(prompt.prompt_ids or [])
         generated = [] if out is None or error else out.output_token_ids
+        text = out.text if out is not None and out.text is not None else self.decode(generated)
         row: dict[str, Any] = {
             "index": prompt.index,
             "id": prompt.id,
-            "text": None if error else self.decode(generated),
+            "sample_index": 0 if out is None else out.sample_index,
+            "text": None if error else text,
             "finish_reason": "error" if error else out.finish_reason,
             "num_prompt_tokens": num_prompt,
             "num_generated_tokens": len(generated),
@@ -168,9 +179,23 @@ class Consumer(threading.Thread):
         if self.include_token_ids:
             row["prompt_token_ids"] = list(prompt.prompt_ids or [])
             row["token_ids"] = list(generated)
+        if out is not None and out.logprobs is not None and not error:
+            row["logprobs"] = [self._logprob_entry(lp) for lp in out.logprobs]
         row.update(prompt.passthrough)
         self._count(row)
         return row
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
+        top = [
+            {"token": self.decode([t]), "token_id": t, "logprob": v}
+            for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+        ]
+        return {
+            "token": self.decode([lp.token_id]),
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top_logprobs": top,
+        }
 
     def _count(self, row: dict[str, Any]) -> None:
         s = self.stats

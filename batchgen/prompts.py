@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -23,6 +24,7 @@ class PromptConfig:
     max_new_tokens_column: str | None = None
     temperature_column: str | None = None
     seed_column: str | None = None
+    sampling_column: str | None = None  # a column of per-row sampling overrides (dict or JSON)
     passthrough: tuple[str, ...] = field(default=())  # input columns copied to the output
     truncate: str = "error"  # a prompt over the context: error row, or keep the left/right part
 
@@ -48,6 +50,7 @@ class PromptConfig:
     def columns_used(self) -> list[str]:
         """Every input column the job reads (checked against the input before model work)."""
         cols = [
+            self.sampling_column,
             self.text_column,
             self.messages_column,
             self.id_column,
@@ -144,8 +147,10 @@ class PromptBuilder:
             "temperature": cfg.temperature_column,
             "seed": cfg.seed_column,
         }
-        out = {key: values.get(col) for key, col in columns.items() if col is not None}
-        return {key: value for key, value in out.items() if value is not None}
+        out = _sampling_dict(values.get(cfg.sampling_column), cfg.sampling_column)
+        picked = {key: values.get(col) for key, col in columns.items() if col is not None}
+        out.update({key: value for key, value in picked.items() if value is not None})
+        return out
 
     def _truncate(self, ids: list[int], overrides: dict[str, Any]) -> list[int]:
         mode = self.config.truncate
@@ -154,6 +159,19 @@ class PromptBuilder:
         new = overrides.get("max_new_tokens", self.max_new_tokens)
         keep = max(1, self.max_prompt_tokens + 1 - int(new))
         return ids[-keep:] if mode == "left" else ids[:keep]
+
+
+def _sampling_dict(value: Any, column: str | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"column {column!r} is not a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"column {column!r} must hold an object of sampling settings")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items() if v is not None}
 
 
 def _value(values: dict[str, Any], column: str | None) -> Any:

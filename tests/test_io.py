@@ -407,3 +407,29 @@ def test_failed_commit_keeps_rows_and_leaves_nothing(tmp_path: Path, monkeypatch
     monkeypatch.undo()
     assert list((tmp_path / "shards").iterdir()) == []
     assert writer.commit() == 1 and committed_indexes(tmp_path) == {0}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_samples_of_one_index_stay_together_and_ordered(tmp_path: Path, fmt: str) -> None:
+    writer = ShardWriter(tmp_path, fmt, shard_rows=3, shard_seconds=3600)
+    group = [{"index": 1, "id": "a", "sample_index": s, "text": f"s{s}"} for s in (2, 0, 1)]
+    writer.add({"index": 2, "id": "b", "sample_index": 0, "text": "x"})
+    writer.add_group(group)  # would straddle the 3-row limit: stays in one shard
+    writer.add({"index": 0, "id": "c", "sample_index": 0, "text": "y"})
+    writer.commit()
+    assert committed_indexes(tmp_path) == {0, 1, 2}
+    shards = sorted((tmp_path / "shards").glob("part-*"))
+    assert len(shards) == 2
+    out = tmp_path / f"final.{fmt}"
+    assert write_final(tmp_path, fmt, out) == 5
+    if fmt == "jsonl":
+        got = [json.loads(x) for x in out.read_text().splitlines()]
+    else:
+        got = pq.read_table(out).to_pylist()
+    assert [(r["index"], r["sample_index"]) for r in got] == [
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (2, 0),
+    ]

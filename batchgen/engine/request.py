@@ -83,13 +83,30 @@ class Prompt(NamedTuple):
     sampling: SamplingParams | dict[str, Any] | None = None  # a dict overrides the call's params
 
 
+class TokenLogprobs(NamedTuple):
+    """One generated token's log-probability and the top alternatives (the model's own
+    distribution: log_softmax of the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class RequestOutput(NamedTuple):
-    """What a finished request yields. finish_reason: "stop", "length" or "error"."""
+    """What a finished request (one sample of it) yields. finish_reason: stop, length, error.
+
+    A prompt with n > 1 yields n results with sample_index 0..n-1; a prompt rejected before it
+    ran yields one error result with sample_index 0.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     finish_reason: str
     error: str | None = None
-    text: str | None = None
+    text: str | None = None  # set when decoded (generate(decode=True), or stop strings)
     first_token_time: float = 0.0  # perf_counter when its first token reached the host
+    sample_index: int = 0
+    num_samples: int = 1
+    logprobs: list[TokenLogprobs] | None = None  # when params.logprobs is set

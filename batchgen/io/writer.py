@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -30,6 +30,8 @@ OUTPUT_FORMATS = ("parquet", "jsonl")
 SHARDS_DIR = "shards"
 TEMP_PREFIX = ".tmp-"
 FINAL_WINDOW_ROWS = 100_000  # write_final sorts this many index values at a time
+SAMPLE = "sample_index"  # rows of one input index are told apart by their sample index
+KEY_COLUMNS = ("index", SAMPLE)
 
 Row = dict[str, Any]
 Writer = Callable[[IO[bytes]], Any]  # fills an open binary file
@@ -80,11 +82,16 @@ class ShardWriter:
 
     def add(self, row: Row) -> None:
         """Buffer one row (with an int "index" and a str "id"); commit if a limit is reached."""
-        if not isinstance(row.get("index"), int) or not isinstance(row.get("id"), str):
-            raise TypeError(f"an output row needs an int 'index' and a str 'id', got {row!r}")
+        self.add_group([row])
+
+    def add_group(self, rows: list[Row]) -> None:
+        """Buffer rows that must land in the same shard (the samples of one input row)."""
+        for row in rows:
+            if not isinstance(row.get("index"), int) or not isinstance(row.get("id"), str):
+                raise TypeError(f"an output row needs an int 'index' and a str 'id', got {row!r}")
         if not self._rows:
             self._first_row_at = time.monotonic()
-        self._rows.append(row)
+        self._rows.extend(rows)
         if len(self._rows) >= self.shard_rows:
             self.commit()
         else:
@@ -166,24 +173,41 @@ def _shard_paths(out_dir: Path, format: str | None = None) -> list[Path]:
     return sorted(p for ext in exts for p in shards.glob(f"part-*.{ext}"))
 
 
-def _read_index(path: Path) -> list[int]:
+def _read_keys(path: Path) -> list[tuple[int, int]]:
+    """(index, sample_index) of every row; sample_index is 0 where the column is absent."""
     if path.suffix == ".parquet":
-        return pq.read_table(path, columns=["index"]).column("index").to_pylist()
+        names = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[c for c in KEY_COLUMNS if c in names])
+        index = table.column("index").to_pylist()
+        sample = table.column(SAMPLE).to_pylist() if SAMPLE in names else [0] * len(index)
+        return list(zip(index, (s or 0 for s in sample), strict=True))
     with path.open("rb") as f:
-        return [json.loads(line)["index"] for line in f if line.strip()]
+        return [_line_key(line) for line in f if line.strip()]
+
+
+def _line_key(line: bytes) -> tuple[int, int]:
+    row = json.loads(line)
+    return row["index"], row.get(SAMPLE) or 0
+
+
+def _read_index(path: Path) -> list[int]:
+    return [index for index, _ in _read_keys(path)]
 
 
 def committed_indexes(out_dir: Path) -> set[int]:
-    """Input indexes already in committed shards; RuntimeError if one appears twice."""
-    seen: set[int] = set()
+    """Input indexes already in committed shards (all samples of an index commit together);
+    RuntimeError if an (index, sample_index) appears twice."""
+    seen: set[tuple[int, int]] = set()
     for path in _shard_paths(out_dir):
-        indexes = _read_index(path)
-        fresh = set(indexes)
-        if len(fresh) != len(indexes) or not seen.isdisjoint(fresh):
-            dup = next(i for n, i in enumerate(indexes) if i in seen or i in indexes[:n])
-            raise RuntimeError(f"index {dup} is committed twice (again in {path.name}): a bug")
+        keys = _read_keys(path)
+        fresh = set(keys)
+        if len(fresh) != len(keys) or not seen.isdisjoint(fresh):
+            dup = next(k for n, k in enumerate(keys) if k in seen or k in keys[:n])
+            raise RuntimeError(
+                f"index {dup[0]} (sample {dup[1]}) is committed twice (again in {path.name}): a bug"
+            )
         seen |= fresh
-    return seen
+    return {index for index, _ in seen}
 
 
 def remove_temp_files(out_dir: Path) -> int:
@@ -234,15 +258,15 @@ def write_final(
 def _final_jsonl(spans: list[_Span], window_rows: int, f: IO[bytes]) -> int:
     written = 0
     for start, end, hits in _windows(spans, window_rows):
-        lines: list[tuple[int, bytes]] = []  # (index, raw line), lines kept byte for byte
+        lines: list[tuple[tuple[int, int], bytes]] = []  # (key, raw line), kept byte for byte
         for shard in hits:
             with shard.open("rb") as src:
                 for line in src:
-                    index = json.loads(line)["index"] if line.strip() else None
-                    if index is not None and start <= index < end:
-                        lines.append((index, line if line.endswith(b"\n") else line + b"\n"))
+                    key = _line_key(line) if line.strip() else None
+                    if key is not None and start <= key[0] < end:
+                        lines.append((key, line if line.endswith(b"\n") else line + b"\n"))
         lines.sort(key=lambda item: item[0])
-        _check_unique(np.array([index for index, _ in lines], dtype=np.int64))
+        _check_unique([key for key, _ in lines])
         f.writelines(line for _, line in lines)
         written += len(lines)
     return written
@@ -259,8 +283,11 @@ def _final_parquet(spans: list[_Span], window_rows: int, f: IO[bytes]) -> int:
                 index = table.column("index")
                 keep = pc.and_(pc.greater_equal(index, start), pc.less(index, end))
                 pieces.append(_conform(table.filter(keep), schema, text_columns))
-            window = pa.concat_tables(pieces).sort_by("index")
-            _check_unique(window.column("index").to_numpy())
+            window = pa.concat_tables(pieces)
+            keys = [c for c in KEY_COLUMNS if c in window.column_names]
+            window = window.sort_by([(c, "ascending") for c in keys])
+            samples = window.column(SAMPLE).to_pylist() if SAMPLE in keys else [0] * window.num_rows
+            _check_unique(list(zip(window.column("index").to_pylist(), samples, strict=True)))
             if window.num_rows:
                 out.write_table(window)
             written += window.num_rows
@@ -299,7 +326,7 @@ def _conform(table: pa.Table, schema: pa.Schema, text_columns: set[str]) -> pa.T
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-def _check_unique(sorted_indexes: np.ndarray) -> None:
-    dups = sorted_indexes[1:][sorted_indexes[1:] == sorted_indexes[:-1]]
-    if len(dups):
-        raise RuntimeError(f"index {dups[0]} is committed twice: a bug")
+def _check_unique(sorted_keys: list[tuple[int, int]]) -> None:
+    dups = [b for a, b in pairwise(sorted_keys) if a == b]
+    if dups:
+        raise RuntimeError(f"index {dups[0][0]} (sample {dups[0][1]}) is committed twice: a bug")
