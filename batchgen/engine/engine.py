@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from collections.abc import Iterable, Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 from threading import Event
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
@@ -21,10 +23,11 @@ from batchgen.engine.model_loader import (
     resolve_device,
     resolve_dtype,
 )
-from batchgen.engine.request import Prompt, Request, RequestOutput, Status
+from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
+from batchgen.engine.stop_strings import check_stop_strings
 from batchgen.engine.transfer import StepOutput, wait_tokens
 
 PromptLike = str | list[int] | Prompt
@@ -68,7 +71,7 @@ class Engine:
         )
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         self._in_flight: tuple[Batch, StepOutput] | None = None
-        self._live: dict[str, Request] = {}
+        self._live: dict[str, int] = {}  # request id -> samples still running
 
     # -- public API -------------------------------------------------------------------------
 
@@ -123,8 +126,14 @@ class Engine:
             request = self._make_request(request_id, prompt, params)
         except ValueError as exc:
             return RequestOutput(request_id, [], [], "error", f"request {request_id}: {exc}")
-        self._live[request_id] = request
-        self.scheduler.add(request)
+        n = request.params.n
+        self._live[request_id] = n
+        for index in range(n):  # samples share the prompt, never the randomness
+            sample = request if index == 0 else copy.copy(request)
+            sample.output_token_ids, sample.block_table, sample.logprobs = [], [], []
+            sample.sample_index, sample.num_samples = index, n
+            sample.rng_key = _mix(request.seed, index)
+            self.scheduler.add(sample)
         return None
 
     def has_unfinished(self) -> bool:
@@ -170,28 +179,41 @@ class Engine:
         tokens = wait_tokens(out)
         now = time.perf_counter()
         finished = []
-        for chunk, token in zip((c for c in batch.chunks if c.samples), tokens, strict=True):
+        sampled = (c for c in batch.chunks if c.samples)
+        for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
             request = chunk.request
             request.num_pending -= 1
             if request.status is Status.FINISHED:
                 continue  # ended at the previous step; this token was launched before we knew
             request.output_token_ids.append(token)
+            if request.params.logprobs is not None:
+                request.logprobs.append(
+                    _token_logprobs(out.logprobs_host[row], token, request.params.logprobs)
+                )
             if len(request.output_token_ids) == 1:
                 request.first_token_time = now
-            reason = request.stop_reason(token)
+            request.text = check_stop_strings(request, self.tokenizer)
+            reason = "stop" if request.text is not None else request.stop_reason(token)
             if reason is not None:
-                self.scheduler.finish(request, reason)
-                del self._live[request.request_id]
-                finished.append(
-                    RequestOutput(
-                        request.request_id,
-                        request.prompt_token_ids,
-                        request.output_token_ids,
-                        reason,
-                        first_token_time=request.first_token_time,
-                    )
-                )
+                finished.append(self._finish(request, reason))
         return finished
+
+    def _finish(self, request: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        self._live[request.request_id] -= 1
+        if not self._live[request.request_id]:
+            del self._live[request.request_id]
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            reason,
+            text=request.text,
+            first_token_time=request.first_token_time,
+            sample_index=request.sample_index,
+            num_samples=request.num_samples,
+            logprobs=request.logprobs if request.params.logprobs is not None else None,
+        )
 
     def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         if request_id in self._live:
@@ -213,6 +235,8 @@ class Engine:
                 f"needs {needed} KV blocks but the cache has {self.num_blocks}: "
                 "lower max_new_tokens or give the KV cache more memory"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
         seed = params.seed if params.seed is not None else self._derived_seed(request_id)
         return Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
 
@@ -241,7 +265,21 @@ class Engine:
         return int.from_bytes(digest.digest(), "little") >> 1
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
-        if self.tokenizer is None or out.finish_reason == "error":
+        if self.tokenizer is None or out.finish_reason == "error" or out.text is not None:
             return out
         text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         return out._replace(text=text)
+
+
+def _mix(seed: int, sample_index: int) -> int:
+    """The sampler's per-sample key: seed and sample index hashed to 63 bits."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """row: [1 + 2K] float32 from the sampler's pack (K >= k)."""
+    width = (row.shape[0] - 1) // 2
+    values = row[1 : 1 + k].tolist()
+    ids = [int(i) for i in row[1 + width : 1 + width + k].tolist()]
+    return TokenLogprobs(token, float(row[0]), ids, values)

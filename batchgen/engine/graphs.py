@@ -33,7 +33,7 @@ class DecodeGraphs:
         self.runner = runner
         biggest = self.sizes[-1] if self.sizes else 0
         self.static = torch.zeros(
-            Layout(biggest, biggest, biggest, 0).fixed_size,
+            Layout(biggest, biggest, biggest).fixed_size,
             dtype=torch.int64,
             device=runner.device,
         )
@@ -73,9 +73,8 @@ class DecodeGraphs:
 
     def _capture(self, size: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a step of `size` padding rows (valid inputs that touch only scratch)."""
-        host_buf = torch.zeros(Layout(size, size, size, 0).fixed_size, dtype=torch.int64)
-        host = prepare_step(Batch([], 0), host_buf, size, self.runner.pad_slot)
-        self.static[: host.layout.fixed_size].copy_(host_buf)
+        host, staged = prepare_step(Batch([], 0), size, self.runner.pad_slot)
+        self.static[: host.layout.fixed_size].copy_(staged[: host.layout.fixed_size])
         flat = self.static
         stream = torch.cuda.Stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))

@@ -15,6 +15,16 @@ class Status(Enum):
     FINISHED = "finished"
 
 
+class TokenLogprobs(NamedTuple):
+    """One generated token's log-probability and the top alternatives (the model's own
+    distribution: log_softmax of the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass(eq=False)
 class Request:
     """Token-level state of one request. Only the engine thread touches it.
@@ -39,6 +49,20 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float = 0.0  # perf_counter when the first token reached the host
+    sample_index: int = 0
+    num_samples: int = 1
+    rng_key: int = 0  # (seed, sample index) hashed: with the position, the sampler's randomness
+    text: str | None = None  # output text cut at a stop string, once one matched
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.sample_index
+
+    @property
+    def banned_before_min_tokens(self) -> frozenset[int]:
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,16 +105,6 @@ class Prompt(NamedTuple):
     prompt: str | list[int]
     request_id: str | None = None
     sampling: SamplingParams | dict[str, Any] | None = None  # a dict overrides the call's params
-
-
-class TokenLogprobs(NamedTuple):
-    """One generated token's log-probability and the top alternatives (the model's own
-    distribution: log_softmax of the raw logits)."""
-
-    token_id: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 class RequestOutput(NamedTuple):

@@ -14,9 +14,15 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
 from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape, model_shape
-from batchgen.engine.sampler import Sampler
+from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import HostStep, Layout, prepare_step, unpack_step, unpack_updates
+from batchgen.engine.step_inputs import (
+    HostStep,
+    Layout,
+    prepare_step,
+    unpack_sampling,
+    unpack_step,
+)
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
@@ -125,9 +131,10 @@ class ModelRunner:
         self.relay = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)
         self.backend = make_backend(config, device)
         self.sampler = Sampler(s.vocab_size, device)
-        fixed = Layout(config.max_num_batched_tokens, config.max_num_seqs, config.max_num_seqs, 0)
-        size = fixed.fixed_size + 3 * config.max_num_seqs * width
-        self.transfer = Transfer(size, config.max_num_seqs, device)
+        self.penalties: PenaltyState | None = None  # allocated when a request first needs it
+        seqs = config.max_num_seqs
+        size = Layout(config.max_num_batched_tokens, seqs, seqs, U=seqs).size  # grows if needed
+        self.transfer = Transfer(size, seqs, device)
         # (start, end, graphed) CUDA events per step when a benchmark asks for a timeline
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] | None = None
         self.fused: list[torch.nn.Module] = []
@@ -147,23 +154,30 @@ class ModelRunner:
     def launch(self, batch: Batch) -> StepOutput:
         """Queue the step's work on the device; the returned tokens arrive on the host later."""
         pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
-        host = prepare_step(batch, self.transfer.host_buffer(), pad_to, self.pad_slot)
-        flat = self.transfer.to_device(host.layout.size)
+        host, staged = prepare_step(batch, pad_to, self.pad_slot)
+        flat = self.transfer.to_device(staged)
         start = self._mark()
+        sampling = unpack_sampling(flat, host.layout)
         if host.layout.U:
-            updates = unpack_updates(flat, host.layout)
+            updates = sampling.updates
             self.block_tables[updates[:, 0], updates[:, 1]] = updates[:, 2].int()
+        if host.flags.any_penalty or host.layout.R:
+            self._penalty_state().update_known(sampling)
         logits = self.graphs.replay(flat, host) if pad_to else self.forward(flat, host)
-        step = unpack_step(flat, host.layout)
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        logprobs = None
         if host.layout.S:
-            tokens = self.sampler(
-                logits, step.temperatures.float(), step.seeds, step.sample_pos, host.any_random
-            )
-            self.relay[step.sample_slots] = tokens
+            tokens, logprobs = self.sampler(logits, sampling, host.flags, self.penalties)
+            self.relay[sampling.slots] = tokens
         if start is not None:
             self.timeline.append((start, self._mark(), bool(pad_to)))
-        return self.transfer.finish(tokens[: batch.num_samples])
+        real = batch.num_samples
+        return self.transfer.finish(tokens[:real], None if logprobs is None else logprobs[:real])
+
+    def _penalty_state(self) -> PenaltyState:
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.relay.shape[0], self.shape.vocab_size, self.device)
+        return self.penalties
 
     def _mark(self) -> torch.cuda.Event | None:
         if self.timeline is None:

@@ -1,12 +1,16 @@
 """Token sampling on the device, with no host synchronization.
 
-Randomness is a counter-based hash of (seed, position, token id), not a global generator, so
-a seeded request draws the same tokens whatever batch it shares and after a resume.
+Order: penalties -> bans (min_new_tokens) -> temperature -> top_k -> top_p -> min_p, then an
+exact draw by the Gumbel-max trick. Randomness is a counter-based hash of (seed and sample
+index, position, token id), not a global generator, so a seeded request draws the same tokens
+whatever batch it shares and after a resume. Logprobs are those of the raw logits.
 """
 
 from __future__ import annotations
 
 import torch
+
+from batchgen.engine.step_inputs import SamplingFlags, SamplingInputs
 
 _MASK32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # lowbias32-style multiplier; products stay below 2**63 in int64
@@ -20,7 +24,7 @@ def hash_u32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[S] int64 seeds (any non-negative int64) and positions -> [S] 32-bit keys."""
+    """[S] int64 keys (any non-negative int64) and positions -> [S] 32-bit keys."""
     key = hash_u32(seeds & _MASK32) ^ hash_u32((seeds >> 32) & _MASK32 ^ 0x9E3779B9)
     return hash_u32(hash_u32(key) ^ (positions & _MASK32))
 
@@ -32,24 +36,109 @@ def gumbel_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
+class PenaltyState:
+    """Per relay slot: which tokens the prompt holds and how often each was generated."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+
+    def update_known(self, s: SamplingInputs) -> None:
+        """Reset (re)admitted slots and mark the tokens the host knows."""
+        if s.resets.numel():
+            self.prompt[s.resets] = False
+            self.counts[s.resets] = 0
+        if s.prompt_marks.numel():
+            self.prompt[s.prompt_marks[:, 0], s.prompt_marks[:, 1]] = True
+        if s.output_counts.numel():
+            ones = torch.ones_like(s.output_counts[:, 0], dtype=torch.int32)
+            self.counts.index_put_(
+                (s.output_counts[:, 0], s.output_counts[:, 1]), ones, accumulate=True
+            )
+
+    def count_sampled(self, s: SamplingInputs, tokens: torch.Tensor) -> None:
+        """Add each tracked row's new token to its slot's counts (untracked rows add 0)."""
+        self.counts.index_put_((s.slots, tokens), s.track.to(torch.int32), accumulate=True)
+
+    def apply(self, logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
+        """vLLM's definitions: repetition over prompt and output tokens (divide positive
+        logits, multiply negative ones); presence once and frequency per occurrence over the
+        output. logits: [S, V] float32."""
+        counts = self.counts[s.slots][:, : logits.shape[1]]
+        seen = (counts > 0) | self.prompt[s.slots][:, : logits.shape[1]]
+        rep = s.repetition.float()[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - s.frequency.float()[:, None] * counts
+        return logits - s.presence.float()[:, None] * (counts > 0)
+
+
+def filter_top_k_top_p_min_p(
+    scaled: torch.Tensor, s: SamplingInputs, flags: SamplingFlags
+) -> torch.Tensor:
+    """scaled: [S, V] float32 logits / temperature; filtered entries become -inf."""
+    neg_inf = torch.finfo(scaled.dtype).min
+    ordered, _ = scaled.sort(dim=-1, descending=True)
+    if flags.any_top_k:
+        k = torch.where(s.top_k > 0, s.top_k, scaled.shape[-1]).clamp(max=scaled.shape[-1])
+        kth = ordered.gather(1, (k - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, neg_inf)
+        ordered = ordered.masked_fill(ordered < kth, neg_inf)
+    if flags.any_top_p_min_p:
+        probs = ordered.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        keep = before < s.top_p.float()[:, None]
+        keep[:, 0] = True
+        cut = ordered.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled < cut, neg_inf)
+        kept = scaled.softmax(dim=-1)  # renormalized over what top_k and top_p kept
+        floor = kept.max(dim=-1, keepdim=True).values * s.min_p.float()[:, None]
+        scaled = scaled.masked_fill(kept < floor, neg_inf)
+    return scaled
+
+
 class Sampler:
-    """Greedy where temperature == 0, else an exact draw from softmax(logits / temperature)."""
+    """Greedy where temperature == 0, else an exact draw from the filtered distribution."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_hash = hash_u32(torch.arange(vocab_size, dtype=torch.int64, device=device))
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [S, V]
-        temperatures: torch.Tensor,  # [S] float32, 0 = greedy
-        seeds: torch.Tensor,  # [S] int64
-        positions: torch.Tensor,  # [S] int64: position the new token will take
-        any_random: bool,  # host knows whether any row samples; skips the noise otherwise
-    ) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
-        if not any_random:
-            return greedy
-        logits = logits.float()
-        noise = gumbel_noise(row_keys(seeds, positions), self.vocab_hash[: logits.shape[-1]])
-        scaled = logits / temperatures.clamp(min=1e-6)[:, None] + noise
-        return torch.where(temperatures > 0, scaled.argmax(dim=-1), greedy)
+        logits: torch.Tensor,
+        s: SamplingInputs,
+        flags: SamplingFlags,
+        penalties: PenaltyState | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits: [S, V] -> (tokens [S] int64, logprob pack [S, 1 + 2k] float32 or None)."""
+        raw = logits
+        if flags.any_penalty and penalties is not None:
+            logits = penalties.apply(logits.float(), s)
+        if s.bans.numel():
+            logits = logits.float().index_put(
+                (s.bans[:, 0], s.bans[:, 1]), torch.tensor(float("-inf"), device=logits.device)
+            )
+        tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
+        if flags.any_random:
+            scaled = logits.float() / s.temperature.float().clamp(min=1e-6)[:, None]
+            if flags.any_top_k or flags.any_top_p_min_p:
+                scaled = filter_top_k_top_p_min_p(scaled, s, flags)
+            noise = gumbel_noise(
+                row_keys(s.rng_keys, s.positions), self.vocab_hash[: scaled.shape[-1]]
+            )
+            tokens = torch.where(s.temperature > 0, (scaled + noise).argmax(dim=-1), tokens)
+        if penalties is not None and flags.any_penalty:
+            penalties.count_sampled(s, tokens)
+        return tokens, _logprob_pack(raw, tokens, flags.logprobs_k)
+
+
+def _logprob_pack(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:
+    """[S, 1 + 2k] float32: chosen logprob, top-k logprobs, top-k ids (exact below 2**24)."""
+    if k < 0:
+        return None
+    logprobs = raw.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    top = logprobs.topk(k, dim=-1) if k else None
+    if top is None:
+        return chosen
+    return torch.cat([chosen, top.values, top.indices.float()], dim=1)

@@ -1,0 +1,158 @@
+"""Issue-5 features end to end on the CPU: n samples, logprobs, min_new_tokens, stop strings,
+per-row values and reproducibility through an interruption."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from batchgen.job import run_job
+from tests.helpers import hf_greedy, hf_model, random_prompts
+from tests.test_job import read_rows, spec_for, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def path(model_dir) -> Path:
+    return model_dir("llama")
+
+
+def engine(path: Path, **config) -> Engine:
+    return Engine(path, EngineConfig(device="cpu", **config))
+
+
+def test_n_samples_are_separate_results(path: Path) -> None:
+    prompt = random_prompts(1, 5, 5, 1000, seed=1)[0]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=4, seed=3, ignore_eos=True)
+    outs = sorted(engine(path).generate([prompt], params), key=lambda o: o.sample_index)
+    assert [o.sample_index for o in outs] == [0, 1, 2, 3]
+    assert all(o.num_samples == 4 and o.request_id == "0" for o in outs)
+    assert len({tuple(o.output_token_ids) for o in outs}) == 4, "samples must differ"
+    again = sorted(
+        engine(path, max_num_seqs=2).generate([prompt], params), key=lambda o: o.sample_index
+    )
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outs]
+    greedy = list(engine(path).generate([prompt], SamplingParams(max_new_tokens=8, n=3)))
+    assert len({tuple(o.output_token_ids) for o in greedy}) == 1
+
+
+def test_logprobs_are_the_models_own(path: Path) -> None:
+    prompt = random_prompts(1, 6, 6, 1000, seed=2)[0]
+    params = SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True)
+    (out,) = engine(path).generate([prompt], params)
+    ids = torch.tensor([prompt + out.output_token_ids])
+    with torch.inference_mode():
+        logits = hf_model(path)(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.output_token_ids[i]
+        assert lp.logprob == pytest.approx(logits[i, lp.token_id].item(), abs=1e-4)
+        top = logits[i].topk(3)
+        assert lp.top_ids == top.indices.tolist()
+        assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert lp.top_ids[0] == lp.token_id  # greedy picks the most likely token
+
+
+def test_min_new_tokens_bans_stop_tokens_until_reached(path: Path) -> None:
+    prompt = random_prompts(1, 8, 8, 1000, seed=2)[0]
+    free = hf_greedy(path, prompt, 12)
+    stop = free[2]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), min_new_tokens=6)
+    (out,) = engine(path).generate([prompt], params)
+    assert stop not in out.output_token_ids[:6]
+    assert len(out.output_token_ids) >= 6
+    (early,) = engine(path).generate([prompt], params.replace(min_new_tokens=0))
+    assert early.output_token_ids[-1] == stop and len(early.output_token_ids) == 3
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_stop_strings_span_tokens_and_cut_the_text(path: Path, keep: bool) -> None:
+    eng = engine(path)
+    prompt = "The weather today is"
+    (free,) = eng.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    pieces = [eng.tokenizer.decode([t]) for t in free.output_token_ids]
+    k = next(i for i in range(3, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    start = sum(len(p) for p in pieces[:k]) + len(pieces[k]) - 1
+    stop = free.text[start : start + 2]  # the last char of token k, the first of token k+1
+    params = SamplingParams(
+        max_new_tokens=30, ignore_eos=True, stop=(stop,), include_stop_str_in_output=keep
+    )
+    (out,) = eng.generate([prompt], params)
+    cut = free.text.find(stop)
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: cut + (len(stop) if keep else 0)]
+    assert out.output_token_ids == free.output_token_ids[: len(out.output_token_ids)]
+    assert len(out.output_token_ids) <= k + 2, "tokens past the stop string are not counted"
+
+
+def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:
+    items = [
+        Prompt("hi", request_id="a", sampling={"top_p": 0.0}),
+        Prompt("hi", request_id="b", sampling={"n": 0}),
+        Prompt("hi", request_id="c", sampling={"min_new_tokens": 9, "max_new_tokens": 3}),
+        Prompt("hi", request_id="d"),
+    ]
+    outs = {o.request_id: o for o in engine(path).generate(items, SamplingParams(max_new_tokens=2))}
+    assert "top_p=0.0 must be in (0, 1]" in outs["a"].error
+    assert "n=0" in outs["b"].error
+    assert "min_new_tokens=9 must be <= max_new_tokens=3" in outs["c"].error
+    assert outs["d"].finish_reason in ("stop", "length")
+
+
+def test_job_rows_for_samples_logprobs_and_bad_values(path: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"prompt": "Hello", "params": {"n": 2, "temperature": 1.0, "logprobs": 1}},
+            {"prompt": "Hi", "params": json.dumps({"top_p": 2.0})},
+            {"prompt": "Bye", "params": None},
+        ],
+    )
+    spec = spec_for(
+        path,
+        inp,
+        tmp_path / "out",
+        "prompt.sampling_column='params'",
+        "sampling.max_new_tokens=4",
+        "sampling.seed=5",
+    )
+    result = run_job(spec)
+    rows = read_rows(tmp_path / "out")
+    assert [(r["index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    assert all(len(r["logprobs"]) == r["num_generated_tokens"] for r in rows[:2])
+    assert rows[0]["logprobs"][0]["top_logprobs"][0]["token_id"] >= 0
+    assert "top_p=2.0" in rows[2]["error"]
+    assert result.summary["rows_error"] == 1
+
+
+def test_sampled_job_is_identical_after_an_interruption(path: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} says"} for i in range(40)])
+    sets = (
+        "sampling.max_new_tokens=12",
+        "sampling.temperature=0.9",
+        "sampling.top_p=0.9",
+        "output.shard_rows=4",
+        "runtime.max_num_seqs=4",
+    )
+    assert run_job(spec_for(path, inp, tmp_path / "ref", *sets)).complete
+    stop = threading.Event()
+    spec = spec_for(path, inp, tmp_path / "cut", *sets)
+    engine_stop = Engine(path, EngineConfig(device="cpu", max_num_seqs=4))
+    original = engine_stop.generate
+
+    def generate_then_stop(*args, **kwargs):
+        for i, out in enumerate(original(*args, **kwargs)):
+            if i == 10:
+                stop.set()
+            yield out
+
+    engine_stop.generate = generate_then_stop
+    first = run_job(spec, engine=engine_stop, stop=stop)
+    assert first.interrupted and not first.complete
+    assert run_job(spec).complete
+    ref = {r["id"]: r["text"] for r in read_rows(tmp_path / "ref")}
+    got = {r["id"]: r["text"] for r in read_rows(tmp_path / "cut")}
+    assert got == ref
