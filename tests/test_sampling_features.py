@@ -156,3 +156,20 @@ def test_sampled_job_is_identical_after_an_interruption(path: Path, tmp_path: Pa
     ref = {r["id"]: r["text"] for r in read_rows(tmp_path / "ref")}
     got = {r["id"]: r["text"] for r in read_rows(tmp_path / "cut")}
     assert got == ref
+
+
+def test_samples_share_the_prompt_kv_blocks(path: Path) -> None:
+    """4 samples of a 64-token prompt run at once in 20 blocks of 8 only if the prompt is
+    shared (4 separate copies would need 36 blocks); greedy samples all match HF generate."""
+    prompt = random_prompts(1, 64, 64, 1000, seed=8)[0]
+    small = engine(path, block_size=8, num_kv_blocks=20, max_num_seqs=4)
+    small.add_request(prompt, SamplingParams(max_new_tokens=8, n=4, ignore_eos=True), "p")
+    outs, most_running = [], 0
+    while small.has_unfinished():
+        outs += small.step()
+        most_running = max(most_running, len(small.scheduler.running))
+        small.blocks.check_invariants()
+    assert most_running == 4 and small.scheduler.num_preemptions == 0
+    assert small.blocks.num_free_blocks == 20
+    expected = hf_greedy(path, prompt, 8)
+    assert [o.output_token_ids for o in outs] == [expected] * 4

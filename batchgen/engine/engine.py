@@ -128,12 +128,15 @@ class Engine:
             return RequestOutput(request_id, [], [], "error", f"request {request_id}: {exc}")
         n = request.params.n
         self._live[request_id] = n
+        samples = []
         for index in range(n):  # samples share the prompt, never the randomness
             sample = request if index == 0 else copy.copy(request)
             sample.output_token_ids, sample.block_table, sample.logprobs = [], [], []
+            sample.children = []
             sample.sample_index, sample.num_samples = index, n
             sample.rng_key = _mix(request.seed, index)
-            self.scheduler.add(sample)
+            samples.append(sample)
+        self.scheduler.add_samples(samples[0], samples[1:])
         return None
 
     def has_unfinished(self) -> bool:
@@ -168,8 +171,9 @@ class Engine:
             for chunk in self._in_flight[0].chunks:
                 chunk.request.num_pending -= chunk.samples
             self._in_flight = None
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.finish(request, "error")
+        while self.scheduler.has_work():  # finishing a request may release its other samples
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.finish(request, "error")
         self._live.clear()
         self.blocks.check_invariants()
 

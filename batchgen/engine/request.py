@@ -54,6 +54,7 @@ class Request:
     rng_key: int = 0  # (seed, sample index) hashed: with the position, the sampler's randomness
     text: str | None = None  # output text cut at a stop string, once one matched
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+    children: list[Request] = field(default_factory=list)  # samples waiting for this prompt
 
     @property
     def key(self) -> tuple[str, int]:

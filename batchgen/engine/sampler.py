@@ -115,8 +115,9 @@ class Sampler:
         if flags.any_penalty and penalties is not None:
             logits = penalties.apply(logits.float(), s)
         if s.bans.numel():
-            logits = logits.float().index_put(
-                (s.bans[:, 0], s.bans[:, 1]), torch.tensor(float("-inf"), device=logits.device)
+            logits = logits.float()
+            logits = logits.index_put(
+                (s.bans[:, 0], s.bans[:, 1]), logits.new_full((), float("-inf"))
             )
         tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if flags.any_random:

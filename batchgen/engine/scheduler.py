@@ -17,6 +17,7 @@ class ScheduledChunk(NamedTuple):
     num_tokens: int
     samples: bool  # the chunk ends at the request's newest token, so the step samples the next one
     relay_last: bool  # the newest token's value is still on the device (the token relay)
+    admitted: bool = False  # the first chunk since the request was (re)admitted
 
 
 class Batch(NamedTuple):
@@ -52,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self._parents: list[Request] = []  # requests whose other samples wait for their prompt
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,12 +75,42 @@ class Scheduler:
                 continue
             chunks.append(self._take(request, size))
             budget -= chunks[-1].num_tokens
+        self._fork_ready()
         budget = self._admit(chunks, budget)
         chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
         return Batch(chunks, self.max_num_batched_tokens - budget)
 
+    def add_samples(self, first: Request, others: list[Request]) -> None:
+        """n samples of one prompt: `first` prefills it; the others wait for that, then start
+        from its prompt blocks (all but the block holding the last prompt token, which each
+        recomputes, so that no block is ever written by two requests)."""
+        self.add(first)
+        first.children = others
+        self._parents.append(first)
+
+    def _fork_ready(self) -> None:
+        for parent in [p for p in self._parents if p.status is not Status.WAITING]:
+            if (
+                parent.status is Status.RUNNING
+                and parent.num_computed_tokens < parent.num_prompt_tokens
+            ):
+                continue  # its prompt is not fully scheduled yet
+            self._parents.remove(parent)
+            shared = 0
+            if parent.status is Status.RUNNING:
+                shared = (parent.num_prompt_tokens - 1) // self.blocks.block_size
+            for child in reversed(parent.children):
+                self.blocks.share(parent, child, shared)
+                child.num_computed_tokens = shared * self.blocks.block_size
+                self.waiting.appendleft(child)
+            parent.children = []
+
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stop, length or error) and give back its blocks and relay slot."""
+        if request.children:  # samples not forked yet start on their own
+            self.waiting.extendleft(reversed(request.children))
+            request.children = []
+            self._parents.remove(request)
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self._release(request)
@@ -109,17 +141,18 @@ class Scheduler:
             if request.num_pending:  # preempted with a token in flight: wait for its value
                 break
             size = self._chunk_size(request, budget)
-            if size == 0 or not self.blocks.can_allocate(request, size):
+            end = request.num_computed_tokens + size
+            if size == 0 or not self.blocks.can_allocate(request, end):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            chunks.append(self._take(request, size))
+            chunks.append(self._take(request, size, admitted=True))
             budget -= size
         return budget
 
-    def _take(self, request: Request, size: int) -> ScheduledChunk:
+    def _take(self, request: Request, size: int, admitted: bool = False) -> ScheduledChunk:
         start = request.num_computed_tokens
         self.blocks.allocate(request, start + size)
         request.num_computed_tokens = start + size
@@ -127,7 +160,7 @@ class Scheduler:
         relay_last = request.num_pending > 0
         if samples:
             request.num_pending += 1
-        return ScheduledChunk(request, start, size, samples, relay_last)
+        return ScheduledChunk(request, start, size, samples, relay_last, admitted)
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: drop its KV; it goes back to the front of the queue."""

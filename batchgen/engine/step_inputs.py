@@ -221,7 +221,7 @@ def _add_chunk(L: _Lists, i: int, chunk: ScheduledChunk) -> None:
     for col in range(r.num_synced_blocks, len(r.block_table)):
         L.updates.extend((r.slot, col, r.block_table[col]))
     r.num_synced_blocks = len(r.block_table)
-    if start == 0 and r.params.uses_penalties:
+    if chunk.admitted and r.params.uses_penalties:
         _add_penalty_state(L, r)
     if chunk.samples:
         _add_sample(L, r, L.cu[-1] - 1, end)
