@@ -62,12 +62,21 @@ def test_fp32_triton_graphs_match_hf(model_dir, arch: str) -> None:
 
 
 def test_graphs_eager_overlap_sync_agree(model_dir) -> None:
+    """Every sampling feature, with and without graphs, overlapped and synchronous."""
     path = model_dir("llama")
     prompts = random_prompts(20, 2, 80, 1000, seed=4)
-    items = [
-        Prompt(p, sampling={"temperature": 0.9 * (i % 2), "seed": i}) for i, p in enumerate(prompts)
+    extra = [
+        {},
+        {"top_p": 0.9, "top_k": 20},
+        {"repetition_penalty": 1.3, "presence_penalty": 0.5},
+        {"n": 3, "min_p": 0.1},
+        {"logprobs": 2, "min_new_tokens": 10},
     ]
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    items = [
+        Prompt(p, sampling={"temperature": 0.9 * (i % 2), "seed": i, **extra[i % 5]})
+        for i, p in enumerate(prompts)
+    ]
+    params = SamplingParams(max_new_tokens=24)
     runs = {}
     for graphs in (True, False):
         for overlap in (True, False):
@@ -79,9 +88,18 @@ def test_graphs_eager_overlap_sync_agree(model_dir) -> None:
                 max_num_seqs=16,
                 max_num_batched_tokens=128,
             )
-            runs[(graphs, overlap)] = tokens(engine, items, params)
+            outs = engine.generate(items, params, decode=False)
+            runs[(graphs, overlap)] = {
+                (o.request_id, o.sample_index): (o.output_token_ids, o.logprobs) for o in outs
+            }
     first = runs[(True, True)]
-    assert all(r == first for r in runs.values())
+    assert len(first) == 20 + 4 * 2
+    for run in runs.values():
+        assert run.keys() == first.keys()
+        for key, (ids, lps) in run.items():
+            assert ids == first[key][0]
+            if lps is not None:
+                assert [lp.top_ids for lp in lps] == [lp.top_ids for lp in first[key][1]]
 
 
 def test_preemption_on_gpu_matches_reference(model_dir) -> None:
