@@ -196,7 +196,8 @@ class Engine:
                 )
             if len(request.output_token_ids) == 1:
                 request.first_token_time = now
-            request.text = check_stop_strings(request, self.tokenizer)
+            if request.params.stop:
+                request.text = check_stop_strings(request, self.tokenizer)
             reason = "stop" if request.text is not None else request.stop_reason(token)
             if reason is not None:
                 finished.append(self._finish(request, reason))

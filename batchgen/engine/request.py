@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -60,6 +61,25 @@ class Request:
     def key(self) -> tuple[str, int]:
         return self.request_id, self.sample_index
 
+    @functools.cached_property
+    def sample_ints(self) -> tuple[int, int, int]:
+        """(top_k, logprobs k or -1, track penalties): fixed for the request's life."""
+        p = self.params
+        return p.top_k, -1 if p.logprobs is None else p.logprobs, int(p.uses_penalties)
+
+    @functools.cached_property
+    def sample_floats(self) -> tuple[float, ...]:
+        """(temperature, top_p, min_p, repetition, presence, frequency)."""
+        p = self.params
+        return (
+            float(p.temperature),
+            float(p.top_p),
+            float(p.min_p),
+            float(p.repetition_penalty),
+            float(p.presence_penalty),
+            float(p.frequency_penalty),
+        )
+
     @property
     def banned_before_min_tokens(self) -> frozenset[int]:
         eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
@@ -77,11 +97,6 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def wants_step(self) -> bool:
-        """False once every token it may produce has been launched (only post-processing left)."""
-        return self.num_tokens < self.max_tokens
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

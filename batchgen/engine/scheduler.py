@@ -65,10 +65,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         i = 0
+        block_size = self.blocks.block_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             i += 1
-            if not request.wants_step:
+            total, computed = request.num_tokens, request.num_computed_tokens
+            if total >= request.max_tokens:
+                continue  # every token it may produce is launched; only post-processing left
+            if total - computed == 1 and len(request.block_table) * block_size > computed:
+                chunks.append(self._take_decode(request))  # the hot path: no new block needed
+                budget -= 1
                 continue
             size = self._chunk_size(request, budget)
             if size == 0 or not self._make_room(request, size):
@@ -151,6 +157,14 @@ class Scheduler:
             chunks.append(self._take(request, size, admitted=True))
             budget -= size
         return budget
+
+    def _take_decode(self, request: Request) -> ScheduledChunk:
+        """_take for one token at the end of a sequence whose last block has room."""
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + 1
+        relay_last = request.num_pending > 0
+        request.num_pending += 1
+        return ScheduledChunk(request, start, 1, True, relay_last)
 
     def _take(self, request: Request, size: int, admitted: bool = False) -> ScheduledChunk:
         start = request.num_computed_tokens

@@ -118,19 +118,9 @@ class _Lists:
             "seq_idx",
             "ctx",
             "slots",
-            "sample_idx",
-            "sample_slots",
-            "rng_keys",
-            "sample_pos",
-            "top_k",
-            "logprobs_k",
-            "track",
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition",
-            "presence",
-            "frequency",
+            "samples",
+            "sample_ints",
+            "sample_floats",
             "updates",
             "resets",
             "prompt_marks",
@@ -141,6 +131,10 @@ class _Lists:
         self.cu = [0]
 
 
+_PAD_SAMPLE_INTS = (0, -1, 0)  # top_k off, no logprobs, no penalty tracking
+_PAD_SAMPLE_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, no penalties
+
+
 def prepare_step(
     batch: Batch, pad_to: int = 0, pad_slot: int = -1
 ) -> tuple[HostStep, torch.Tensor]:
@@ -148,79 +142,89 @@ def prepare_step(
 
     pad_to > len(batch.chunks) pads a decode-only batch with one-token rows in pad_slot.
     """
-    lists = _Lists()
+    L = _Lists()
     for i, chunk in enumerate(batch.chunks):
-        _add_chunk(lists, i, chunk)
+        _add_chunk(L, i, chunk)
     real = len(batch.chunks)
     for i in range(real, pad_to):
-        _add_padding(lists, i, pad_slot)
-    L = lists
+        _add_padding(L, i, pad_slot)
+    S = len(L.samples)
     layout = Layout(
         len(L.ids),
         len(L.ctx),
-        len(L.sample_idx),
+        S,
         len(L.updates) // 3,
         len(L.resets),
         len(L.prompt_marks) // 2,
         len(L.output_counts) // 2,
         len(L.bans) // 2,
     )
-    ints = (
-        L.ids
-        + L.relay_src
-        + L.positions
-        + L.seq_idx
-        + L.cu
-        + L.ctx
-        + L.slots
-        + L.sample_idx
-        + L.sample_slots
-        + L.rng_keys
-        + L.sample_pos
-        + L.top_k
-        + L.logprobs_k
-        + L.track
+    # per-sample columns: sample_idx, sample_slots, rng_keys, sample_pos, then the constants
+    sample_cols = (
+        [
+            c
+            for cols in (zip(*L.samples, strict=True), zip(*L.sample_ints, strict=True))
+            for c in cols
+        ]
+        if S
+        else []
     )
-    floats = L.temperature + L.top_p + L.min_p + L.repetition + L.presence + L.frequency
-    tail = L.updates + L.resets + L.prompt_marks + L.output_counts + L.bans
+    float_cols = list(zip(*L.sample_floats, strict=True)) if S else []
+    ints = L.ids + L.relay_src + L.positions + L.seq_idx + L.cu + L.ctx + L.slots
+    for col in sample_cols:
+        ints.extend(col)
+    floats = [v for col in float_cols for v in col]
     flat = torch.cat(
         [
             torch.tensor(ints, dtype=torch.int64),
             torch.tensor(floats, dtype=torch.float64).view(torch.int64),
-            torch.tensor(tail, dtype=torch.int64),
+            torch.tensor(
+                L.updates + L.resets + L.prompt_marks + L.output_counts + L.bans, dtype=torch.int64
+            ),
         ]
     )
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.ctx) - real)
-    return HostStep(layout, L.cu, L.ctx, num_decodes, _flags(L), real), flat
+    return HostStep(layout, L.cu, L.ctx, num_decodes, _flags(sample_cols, float_cols), real), flat
 
 
-def _flags(L: _Lists) -> SamplingFlags:
+def _flags(sample_cols: list[tuple], float_cols: list[tuple]) -> SamplingFlags:
+    if not sample_cols:
+        return SamplingFlags()
+    top_k, logprobs_k, track = sample_cols[4:7]
+    temperature, top_p, min_p = float_cols[:3]
     return SamplingFlags(
-        any_random=any(t > 0 for t in L.temperature),
-        any_top_k=any(k > 0 for k in L.top_k),
-        any_top_p_min_p=any(p < 1.0 for p in L.top_p) or any(m > 0 for m in L.min_p),
-        any_penalty=any(L.track),
-        logprobs_k=max(L.logprobs_k, default=-1),
+        any_random=any(temperature),
+        any_top_k=any(top_k),
+        any_top_p_min_p=min(top_p) < 1.0 or any(min_p),
+        any_penalty=any(track),
+        logprobs_k=max(logprobs_k),
     )
 
 
 def _add_chunk(L: _Lists, i: int, chunk: ScheduledChunk) -> None:
     r, start, n = chunk.request, chunk.start, chunk.num_tokens
     end = start + n
-    known_end = end - 1 if chunk.relay_last else end
-    L.ids.extend(_token_slice(r.prompt_token_ids, r.output_token_ids, start, known_end))
-    L.relay_src.extend([-1] * (known_end - start))
-    if chunk.relay_last:
+    if n == 1 and chunk.relay_last:  # the common decode: the input is the relayed token
         L.ids.append(0)
         L.relay_src.append(r.slot)
-    L.positions.extend(range(start, end))
-    L.seq_idx.extend([i] * n)
+        L.positions.append(start)
+        L.seq_idx.append(i)
+    else:
+        known_end = end - 1 if chunk.relay_last else end
+        L.ids.extend(_token_slice(r.prompt_token_ids, r.output_token_ids, start, known_end))
+        L.relay_src.extend([-1] * (known_end - start))
+        if chunk.relay_last:
+            L.ids.append(0)
+            L.relay_src.append(r.slot)
+        L.positions.extend(range(start, end))
+        L.seq_idx.extend([i] * n)
     L.cu.append(L.cu[-1] + n)
     L.ctx.append(end)
     L.slots.append(r.slot)
-    for col in range(r.num_synced_blocks, len(r.block_table)):
-        L.updates.extend((r.slot, col, r.block_table[col]))
-    r.num_synced_blocks = len(r.block_table)
+    if r.num_synced_blocks < len(r.block_table):
+        for col in range(r.num_synced_blocks, len(r.block_table)):
+            L.updates.extend((r.slot, col, r.block_table[col]))
+        r.num_synced_blocks = len(r.block_table)
     if chunk.admitted and r.params.uses_penalties:
         _add_penalty_state(L, r)
     if chunk.samples:
@@ -237,25 +241,13 @@ def _add_penalty_state(L: _Lists, r: Request) -> None:
 
 
 def _add_sample(L: _Lists, r: Request, row_token: int, position: int) -> None:
-    p = r.params
-    row = len(L.sample_idx)
-    L.sample_idx.append(row_token)
-    L.sample_slots.append(r.slot)
-    L.rng_keys.append(r.rng_key)
-    L.sample_pos.append(position)
-    L.top_k.append(p.top_k)
-    L.logprobs_k.append(-1 if p.logprobs is None else p.logprobs)
-    L.track.append(int(p.uses_penalties))
-    L.temperature.append(float(p.temperature))
-    L.top_p.append(float(p.top_p))
-    L.min_p.append(float(p.min_p))
-    L.repetition.append(float(p.repetition_penalty))
-    L.presence.append(float(p.presence_penalty))
-    L.frequency.append(float(p.frequency_penalty))
-    generated_before = position - r.num_prompt_tokens  # outputs before this sample
-    if generated_before < p.min_new_tokens:
+    if position - r.num_prompt_tokens < r.params.min_new_tokens:  # outputs before this one
+        row = len(L.samples)
         for token in r.banned_before_min_tokens:
             L.bans.extend((row, token))
+    L.samples.append((row_token, r.slot, r.rng_key, position))
+    L.sample_ints.append(r.sample_ints)
+    L.sample_floats.append(r.sample_floats)
 
 
 def _add_padding(L: _Lists, i: int, pad_slot: int) -> None:
@@ -266,19 +258,9 @@ def _add_padding(L: _Lists, i: int, pad_slot: int) -> None:
     L.cu.append(L.cu[-1] + 1)
     L.ctx.append(1)
     L.slots.append(pad_slot)
-    L.sample_idx.append(L.cu[-1] - 1)
-    L.sample_slots.append(pad_slot)
-    L.rng_keys.append(0)
-    L.sample_pos.append(1)
-    L.top_k.append(0)
-    L.logprobs_k.append(-1)
-    L.track.append(0)
-    L.temperature.append(0.0)
-    L.top_p.append(1.0)
-    L.min_p.append(0.0)
-    L.repetition.append(1.0)
-    L.presence.append(0.0)
-    L.frequency.append(0.0)
+    L.samples.append((L.cu[-1] - 1, pad_slot, 0, 1))
+    L.sample_ints.append(_PAD_SAMPLE_INTS)
+    L.sample_floats.append(_PAD_SAMPLE_FLOATS)
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
