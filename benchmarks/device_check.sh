@@ -16,6 +16,11 @@ if [ "$phase" = check ] || [ "$phase" = full ]; then
   timeout 150 python3 benchmarks/kernels_gpu.py --quick 2>&1 | tee "$OUT/kernels.txt" | tail -30
   timeout 120 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -14
 fi
+if [ "$phase" = confirm ]; then
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+  timeout 100 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -12
+  timeout 100 python3 -m batchgen bench --shape 8b --workload W1 --systems overlap --results "$OUT/results.md" 2>&1 | tail -8
+fi
 if [ "$phase" = verify ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
   timeout 100 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -12
