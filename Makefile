@@ -10,7 +10,7 @@ JOB ?= jobs/demo.toml
 SHAPE ?= 1b
 WORKLOAD ?= W1
 
-.PHONY: setup test demo bench lint format run clean
+.PHONY: setup test demo example openai-batch bench lint format run clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,15 @@ demo: setup
 	$(BIN)/batchgen run jobs/demo.toml
 	@echo "first results (out/demo/results.jsonl):" && head -n 3 out/demo/results.jsonl
 
+example: setup
+	$(BIN)/python examples/datasets_pipeline.py
+
+openai-batch: setup
+	rm -rf out/openai-batch
+	$(BIN)/batchgen run jobs/openai_batch.toml
+	@echo "first results (out/openai-batch/results.jsonl):" && head -c 600 out/openai-batch/results.jsonl
+	@echo && echo "errors (out/openai-batch/errors.jsonl):" && cat out/openai-batch/errors.jsonl
+
 run: setup
 	$(BIN)/batchgen run $(JOB)
 
@@ -37,12 +46,12 @@ bench: setup
 	$(BIN)/batchgen bench --shape $(SHAPE) --workload $(WORKLOAD)
 
 lint: setup
-	$(BIN)/ruff format --check batchgen tests benchmarks
-	$(BIN)/ruff check batchgen tests benchmarks
+	$(BIN)/ruff format --check batchgen tests benchmarks examples
+	$(BIN)/ruff check batchgen tests benchmarks examples
 
 format: setup
-	$(BIN)/ruff format batchgen tests benchmarks
-	$(BIN)/ruff check --fix batchgen tests benchmarks
+	$(BIN)/ruff format batchgen tests benchmarks examples
+	$(BIN)/ruff check --fix batchgen tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache out

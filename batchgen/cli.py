@@ -46,7 +46,12 @@ def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--model", help="Model folder, hub id or 'default'."),
         click.option("--input", help="Input file, glob, directory, saved dataset or hub name."),
-        click.option("--input-format", help="auto, parquet, jsonl, arrow or hub."),
+        click.option(
+            "--input-format",
+            "--format",
+            "input_format",
+            help="auto, parquet, jsonl, arrow, hub or openai-batch (OpenAI Batch request lines).",
+        ),
         click.option("--output", help="Output directory (the checkpoint)."),
         click.option("--output-format", help="parquet or jsonl."),
         click.option("--prompt-column", help="Text column holding the prompt."),

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from batchgen.engine import Engine, Prompt
 from batchgen.errors import BatchgenError
 from batchgen.io import (
+    InputSource,
     ShardWriter,
     committed_indexes,
     open_input,
@@ -19,6 +20,8 @@ from batchgen.io import (
     write_final,
 )
 from batchgen.io.checkpoint import claim_output_dir, write_json_atomic
+from batchgen.io.openai_batch import ID_COLUMN, OPENAI_BATCH, RequestBuilder, check_prompt_config
+from batchgen.io.openai_results import write_openai_results
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
 from batchgen.prompts import PromptBuilder, RowPrompt
 from batchgen.spec import JobSpec
@@ -44,9 +47,15 @@ class JobResult(NamedTuple):
     complete: bool
 
 
-def check_job(spec: JobSpec) -> Any:
-    """Every check that needs no model: input readable, columns present. -> the input source."""
-    source = open_input(spec.input)
+def check_job(spec: JobSpec, source: InputSource | None = None) -> InputSource:
+    """Every check that needs no model: input readable, columns present. -> the input source.
+
+    source: an input opened by the caller (an in-process dataset); None = open spec.input.
+    """
+    if spec.input.format == OPENAI_BATCH:
+        check_prompt_config(spec.prompt)
+        return source or open_input(spec.input)
+    source = source or open_input(spec.input)
     needed = spec.prompt.columns_used()
     missing = [c for c in needed if source.columns is not None and c not in source.columns]
     if missing:
@@ -69,9 +78,13 @@ def run_job(
     force_resume: bool = False,
     engine: Engine | None = None,
     stop: threading.Event | None = None,
+    source: InputSource | None = None,
 ) -> JobResult:
-    """Run (or resume) a job to completion, or until `stop` is set."""
-    source = check_job(spec)
+    """Run (or resume) a job to completion, or until `stop` is set.
+
+    engine: a loaded engine to use (kept loaded afterwards); source: see check_job.
+    """
+    source = check_job(spec, source)
     out_dir = Path(spec.output.dir)
     resuming = claim_output_dir(out_dir, spec.to_dict(), force_resume)
     remove_temp_files(out_dir)
@@ -93,15 +106,13 @@ def run_job(
 def _run_pipeline(
     spec: JobSpec, source: Any, engine: Engine, done: set[int], stop: threading.Event, on_row: Any
 ) -> tuple[Stats, Producer]:
-    builder = PromptBuilder(
-        spec.prompt, engine.tokenizer, engine.max_model_len - 1, spec.sampling.max_new_tokens
-    )
+    builder, columns, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
     producer = Producer(
-        source.batches(spec.prompt.columns_used() or None),
+        source.batches(columns),
         builder,
         done,
-        spec.prompt.id_column,
+        id_column,
         spec.pipeline.tokenizer_threads,
         spec.pipeline.prefetch_batches,
         halt,
@@ -124,6 +135,18 @@ def _run_pipeline(
         if thread.error is not None:
             raise thread.error
     return consumer.stats, producer
+
+
+def _prompt_stage(spec: JobSpec, engine: Engine) -> tuple[Any, list[str] | None, str | None]:
+    """-> (the row -> prompt builder, input columns to read (None = all), the id column)."""
+    args = (engine.tokenizer, engine.max_model_len - 1, spec.sampling.max_new_tokens)
+    if spec.input.format == OPENAI_BATCH:
+        return RequestBuilder(spec.prompt, *args), None, ID_COLUMN
+    return (
+        PromptBuilder(spec.prompt, *args),
+        spec.prompt.columns_used() or None,
+        spec.prompt.id_column,
+    )
 
 
 def _drive_engine(
@@ -175,10 +198,9 @@ def _progress(bar: tqdm, started: float) -> Any:
 def _summary(
     spec: JobSpec, stats: Stats, wall_s: float, resumed: bool, out_dir: Path, complete: bool
 ) -> dict[str, Any]:
-    result_file = None
+    files = {"result_file": None}
     if complete and spec.output.final_file:
-        result_file = out_dir / f"results.{spec.output.format}"
-        write_final(out_dir, spec.output.format, result_file)
+        files = _write_results(spec, out_dir)
     committed = len(committed_indexes(out_dir))
     return {
         "rows_ok": stats.rows_ok,
@@ -191,5 +213,17 @@ def _summary(
         "rows_committed_total": committed,
         "resumed": resumed,
         "complete": complete,
-        "result_file": None if result_file is None else str(result_file),
+        **files,
     }
+
+
+def _write_results(spec: JobSpec, out_dir: Path) -> dict[str, str]:
+    """The final file(s) in input order: results.<format>, or OpenAI results + errors files."""
+    fmt = spec.output.format
+    if spec.input.format == OPENAI_BATCH:
+        results, errors = out_dir / "results.jsonl", out_dir / "errors.jsonl"
+        write_openai_results(out_dir, fmt, spec.model.path, results, errors)
+        return {"result_file": str(results), "error_file": str(errors)}
+    result = out_dir / f"results.{fmt}"
+    write_final(out_dir, fmt, result)
+    return {"result_file": str(result)}

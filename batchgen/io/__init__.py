@@ -1,6 +1,6 @@
 """Input readers and checkpointed output writers."""
 
-from batchgen.io.readers import InputConfig, InputSource, RawRow, open_input
+from batchgen.io.readers import InputConfig, InputSource, RawRow, dataset_source, open_input
 from batchgen.io.writer import (
     OutputConfig,
     ShardWriter,
@@ -16,6 +16,7 @@ __all__ = [
     "RawRow",
     "ShardWriter",
     "committed_indexes",
+    "dataset_source",
     "open_input",
     "remove_temp_files",
     "write_final",

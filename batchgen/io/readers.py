@@ -21,8 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
+from batchgen.io.openai_batch import COLUMNS as OPENAI_COLUMNS
+from batchgen.io.openai_batch import OPENAI_BATCH, parse_request
 
-FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub")
+FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
     (".jsonl", ".json", ".ndjson"), "jsonl"
 )
@@ -49,7 +51,7 @@ class InputConfig:
     """Where the prompts come from."""
 
     path: str  # a file, a glob, a folder of files, a save_to_disk folder, or a hub dataset name
-    format: str = "auto"  # auto | parquet | jsonl | arrow (save_to_disk folder) | hub
+    format: str = "auto"  # auto | parquet | jsonl | arrow (save_to_disk) | hub | openai-batch
     split: str = "train"  # for save_to_disk DatasetDict folders and hub datasets
     batch_rows: int = 1024  # rows per record batch
 
@@ -79,7 +81,7 @@ class RawRow(NamedTuple):
 class InputSource:
     """An opened input: what is known up front, and a way to stream its rows."""
 
-    columns: list[str]  # column names known before any model work
+    columns: list[str] | None  # column names known before any model work; None = unknown
     num_rows: int | None  # rows in the input when cheaply known, else None
     description: str  # e.g. "3 parquet files under data/"
     batch_rows: int
@@ -111,8 +113,17 @@ def open_input(config: InputConfig) -> InputSource:
     files = _find_files(config)
     if files is None:  # not a local path, but shaped like a hub dataset name
         return _open_hub(config)
+    if config.format == OPENAI_BATCH:
+        return _open_openai_batch(files, config)
     fmt = _format_of(files, config.path) if config.format == "auto" else config.format
     return (_open_parquet if fmt == "parquet" else _open_jsonl)(files, config)
+
+
+def dataset_source(ds: Any, batch_rows: int, description: str) -> InputSource:
+    """An InputSource over an in-process datasets Dataset or IterableDataset."""
+    num_rows = len(ds) if hasattr(ds, "__len__") else None
+    reader = partial(_dataset_rows, ds, batch_rows, description)
+    return InputSource(ds.column_names, num_rows, description, batch_rows, reader)
 
 
 def _find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
@@ -127,7 +138,8 @@ def _find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
     if path.is_file():
         return [(path, raw)]
     if path.is_dir():
-        wanted = {ext for ext, kind in EXTENSIONS.items() if config.format in ("auto", kind)}
+        fmt = "jsonl" if config.format == OPENAI_BATCH else config.format
+        wanted = {ext for ext, kind in EXTENSIONS.items() if fmt in ("auto", kind)}
         files = sorted(
             p
             for p in path.rglob("*")
@@ -286,6 +298,23 @@ def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Ite
         for lineno, raw in _jsonl_lines(path):
             values, error = _parse(raw, f"{name} line {lineno}")
             yield (None if values is None else _project(values, columns)), error
+
+
+def _open_openai_batch(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
+    num_rows = sum(_scan_jsonl(path, name) for path, name in files)
+    description = _describe(files, "OpenAI batch", config.path)
+    reader = partial(_openai_batch_rows, files)
+    return InputSource(list(OPENAI_COLUMNS), num_rows, description, config.batch_rows, reader)
+
+
+def _openai_batch_rows(
+    files: list[tuple[Path, str]], columns: list[str] | None
+) -> Iterator[Parsed]:
+    """Every line becomes values (a line that cannot run carries its error code and message)."""
+    for path, name in files:
+        for lineno, raw in _jsonl_lines(path):
+            values, error = _parse(raw, f"{name} line {lineno}")
+            yield _project(parse_request(values, error, lineno), columns), None
 
 
 def _parse(raw: bytes, where: str) -> Parsed:

@@ -1,0 +1,309 @@
+"""Generation over Hugging Face datasets: a Dataset, IterableDataset or DatasetDict in, the same
+kind out with the output columns added; a `Generator` keeps its engine loaded across calls.
+
+Each call runs a batchgen job (tokenizer threads, the engine, checkpointed shards) on the
+dataset, in `checkpoint_dir` when given (call again after an interruption to resume) or in a
+temporary folder. Output rows keep the input's order and columns; a row with n > 1 samples
+becomes n consecutive rows (`sample_index` 0..n-1) with the input columns repeated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.engine import Engine, EngineConfig, SamplingParams
+from batchgen.errors import BatchgenError
+from batchgen.io import InputConfig, OutputConfig, dataset_source
+from batchgen.job import run_job
+from batchgen.prompts import PromptConfig
+from batchgen.spec import JobSpec, ModelConfig, PipelineConfig
+
+BASE_COLUMNS = (
+    "sample_index",
+    "text",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "error",
+)
+TOKEN_ID_COLUMNS = ("prompt_token_ids", "token_ids")
+READ_BATCH_ROWS = 1024  # result rows read at a time when streaming
+
+
+class Generator:
+    """A loaded engine that generates over datasets. Keep one to reuse the engine across calls
+    (model load and graph capture are paid once); calls run one at a time.
+
+    model: a model folder, a hub id, "default" (the embedded tiny model), a loaded
+    PreTrainedModel (pass its tokenizer) or an Engine to use as it is.
+    """
+
+    def __init__(
+        self,
+        model: Any = "default",
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any = None,
+    ) -> None:
+        self._owns_engine = not isinstance(model, Engine)
+        self.engine = Engine(model, config, tokenizer) if self._owns_engine else model
+        if isinstance(model, (str, Path)):
+            self.model_name = str(model)
+        else:
+            self.model_name = getattr(self.engine.model, "name_or_path", "") or "model"
+        self._lock = threading.Lock()
+
+    def generate(
+        self,
+        dataset: Any,
+        *,
+        prompt_column: str | None = None,
+        template: str | None = None,
+        messages_column: str | None = None,
+        system_prompt: str | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        sampling_column: str | None = None,
+        truncate: str = "error",
+        include_token_ids: bool = False,
+        output_prefix: str = "",
+        checkpoint_dir: str | Path | None = None,
+        progress: bool = True,
+        batch_rows: int = 1024,
+    ) -> Any:
+        """Generate for every row of `dataset` -> the same kind with output columns added.
+
+        The prompt is one of prompt_column (default "prompt"), template ("Q: {question}") or
+        messages_column (chat messages); sampling is a SamplingParams or a dict of its fields;
+        sampling_column names a column of per-row overrides. Output columns (each prefixed by
+        output_prefix): sample_index, text, finish_reason, num_prompt_tokens,
+        num_generated_tokens, error; logprobs when sampling asks for them (or with
+        sampling_column); prompt_token_ids and token_ids with include_token_ids.
+        A Dataset is generated now; an IterableDataset lazily, each time it is iterated (the
+        input is read twice: for prompts, then to join), in bounded memory; a DatasetDict or
+        IterableDatasetDict split by split, checkpointed under checkpoint_dir/<split>.
+        """
+        prompt = {
+            "column": prompt_column,
+            "template": template,
+            "messages_column": messages_column,
+            "system_prompt": system_prompt,
+            "sampling_column": sampling_column,
+            "truncate": truncate,
+        }
+        spec = self._spec(prompt, sampling, include_token_ids, progress, batch_rows)
+        import datasets
+
+        if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            return type(dataset)(
+                {
+                    split: self._one(ds, spec, _split_dir(checkpoint_dir, split), output_prefix)
+                    for split, ds in dataset.items()
+                }
+            )
+        return self._one(dataset, spec, checkpoint_dir, output_prefix)
+
+    __call__ = generate
+
+    def close(self) -> None:
+        """Release the engine (a caller's Engine is left as it is)."""
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spec(
+        self,
+        prompt: dict[str, Any],
+        sampling: SamplingParams | dict[str, Any] | None,
+        include_token_ids: bool,
+        progress: bool,
+        batch_rows: int,
+    ) -> JobSpec:
+        try:
+            if not isinstance(sampling, SamplingParams):
+                sampling = SamplingParams().replace(**(sampling or {}))
+            return JobSpec(
+                input=InputConfig(path="dataset", batch_rows=batch_rows),
+                output=OutputConfig(dir="checkpoint", include_token_ids=include_token_ids),
+                model=ModelConfig(self.model_name),
+                prompt=PromptConfig(**prompt),
+                sampling=sampling,
+                engine=self.engine.config,
+                pipeline=PipelineConfig(quiet=not progress),
+            )
+        except ValueError as exc:
+            raise BatchgenError(f"generate: {exc}") from exc
+
+    def _one(self, ds: Any, spec: JobSpec, checkpoint_dir: Any, prefix: str) -> Any:
+        import datasets
+
+        if not isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+            raise BatchgenError(
+                f"generate takes a datasets Dataset, IterableDataset or DatasetDict, not "
+                f"{type(ds).__name__}: wrap the data, e.g. datasets.Dataset.from_list(rows)"
+            )
+        columns = output_columns(spec)
+        clash = [prefix + c for c in columns if prefix + c in (ds.column_names or ())]
+        if clash:
+            raise BatchgenError(
+                f"the dataset already has a column {clash[0]!r}: pass output_prefix='gen_' "
+                "(or rename the column)"
+            )
+        if isinstance(ds, datasets.IterableDataset):
+            return self._stream(ds, spec, checkpoint_dir, columns, prefix)
+        with _job_dir(checkpoint_dir) as out_dir:
+            table = pq.read_table(self._run(ds, spec, out_dir, checkpoint_dir is not None))
+        return _join(ds, table, columns, prefix)
+
+    def _stream(
+        self, ds: Any, spec: JobSpec, checkpoint_dir: Any, columns: list[str], prefix: str
+    ) -> Any:
+        import datasets
+
+        features = None
+        if ds.features is not None:
+            out = {prefix + c: f for c, f in output_features(columns).items()}
+            features = datasets.Features({**ds.features, **out})
+
+        def rows() -> Iterator[dict[str, Any]]:
+            with _job_dir(checkpoint_dir) as out_dir:
+                result = self._run(ds, spec, out_dir, checkpoint_dir is not None)
+                yield from _zip_rows(ds, result, columns, prefix)
+
+        return datasets.IterableDataset.from_generator(rows, features=features)
+
+    def _run(self, ds: Any, spec: JobSpec, out_dir: Path, kept: bool) -> Path:
+        """Run (or resume) the job over ds in out_dir -> its results.parquet."""
+        kind = type(ds).__name__
+        size = f"{len(ds)} rows, " if hasattr(ds, "__len__") else ""
+        description = f"datasets.{kind}({size}columns {ds.column_names})"
+        spec = dataclasses.replace(
+            spec,
+            input=dataclasses.replace(spec.input, path=description),
+            output=dataclasses.replace(spec.output, dir=str(out_dir)),
+        )
+        source = dataset_source(ds.with_format(None), spec.input.batch_rows, description)
+        with self._lock:
+            result = run_job(spec, engine=self.engine, source=source)
+        if not result.complete:
+            hint = (
+                f"finished rows are kept in {out_dir}: call again to resume"
+                if kept
+                else "pass checkpoint_dir= to keep finished rows across an interruption"
+            )
+            raise BatchgenError(f"generation stopped before the end; {hint}")
+        return Path(result.summary["result_file"])
+
+
+def generate(
+    dataset: Any,
+    model: Any = "default",
+    *,
+    engine_config: EngineConfig | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> Any:
+    """Load `model` and generate over `dataset` once; options as in Generator.generate.
+    To run several calls on one loaded engine, keep a Generator instead."""
+    return Generator(model, engine_config, tokenizer=tokenizer).generate(dataset, **options)
+
+
+def output_columns(spec: JobSpec) -> list[str]:
+    """The columns a call adds, decided by its arguments (not by what the rows hold)."""
+    columns = list(BASE_COLUMNS)
+    if spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None:
+        columns.append("logprobs")
+    if spec.output.include_token_ids:
+        columns.extend(TOKEN_ID_COLUMNS)
+    return columns
+
+
+def output_features(columns: list[str]) -> Any:
+    import datasets
+
+    value, seq = datasets.Value, datasets.List
+    top = {"token": value("string"), "token_id": value("int64"), "logprob": value("float64")}
+    known = {
+        "sample_index": value("int64"),
+        "text": value("string"),
+        "finish_reason": value("string"),
+        "num_prompt_tokens": value("int64"),
+        "num_generated_tokens": value("int64"),
+        "error": value("string"),
+        "logprobs": seq({**top, "top_logprobs": seq(top)}),
+        "prompt_token_ids": seq(value("int64")),
+        "token_ids": seq(value("int64")),
+    }
+    return datasets.Features({c: known[c] for c in columns})
+
+
+@contextlib.contextmanager
+def _job_dir(checkpoint_dir: str | Path | None) -> Iterator[Path]:
+    if checkpoint_dir is not None:
+        yield Path(checkpoint_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="batchgen-") as tmp:
+        yield Path(tmp) / "job"
+
+
+def _split_dir(checkpoint_dir: str | Path | None, split: str) -> Path | None:
+    return None if checkpoint_dir is None else Path(checkpoint_dir) / split
+
+
+def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:
+    """The input rows (repeated per sample) side by side with the typed output columns."""
+    import datasets
+
+    schema = output_features(columns).arrow_schema
+    arrays = [
+        table.column(c).cast(schema.field(c).type)
+        if c in table.column_names
+        else pa.nulls(table.num_rows, schema.field(c).type)
+        for c in columns
+    ]
+    outputs = pa.Table.from_arrays(arrays, names=[prefix + c for c in columns])
+    index = table.column("index").to_pylist() if "index" in table.column_names else []
+    base = ds if index == list(range(len(ds))) else ds.select(index)
+    return datasets.concatenate_datasets([base, datasets.Dataset(outputs)], axis=1)
+
+
+def _zip_rows(ds: Any, result: Path, columns: list[str], prefix: str) -> Iterator[dict[str, Any]]:
+    """Stream the input again beside the results (both in input order)."""
+    results = _result_rows(result, columns)
+    current = next(results, None)
+    for index, example in enumerate(ds):
+        if current is None or current["index"] != index:
+            raise BatchgenError(
+                f"input row {index} has no result: the dataset gave other rows when read again; "
+                "give generate a dataset whose order is fixed"
+            )
+        while current is not None and current["index"] == index:
+            yield {**example, **{prefix + c: current.get(c) for c in columns}}
+            current = next(results, None)
+    if current is not None:
+        raise BatchgenError(
+            "the dataset gave fewer rows when read again: give generate a dataset whose "
+            "order is fixed"
+        )
+
+
+def _result_rows(path: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
+    file = pq.ParquetFile(path)
+    read = [c for c in ("index", *columns) if c in file.schema_arrow.names]
+    if "index" not in read:
+        return
+    for batch in file.iter_batches(READ_BATCH_ROWS, columns=read):
+        yield from batch.to_pylist()

@@ -1,0 +1,164 @@
+"""OpenAI Batch output files from a finished job's committed rows.
+
+Every request lands in exactly one file, in input order (as OpenAI's output and error files):
+- results.jsonl: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
+  "error": null}`, body a `chat.completion` or `text_completion` whose `choices` are the n
+  samples of the request, with `usage`;
+- errors.jsonl: `{"id", "custom_id", "response": null, "error": {"code", "message", "param",
+  "line"}}` for every line that failed (bad JSON, duplicate custom_id, unsupported url, unknown
+  body field, bad value, a prompt over the context, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow.parquet as pq
+
+from batchgen.io.openai_batch import CHAT_URL
+from batchgen.io.writer import TEMP_PREFIX, _write_atomic, write_final
+
+Row = dict[str, Any]
+READ_BATCH_ROWS = 1024  # rows read at a time from the sorted intermediate file
+
+
+def write_openai_results(
+    out_dir: Path, shard_format: str, model: str, results: Path, errors: Path
+) -> tuple[int, int]:
+    """Write `results` and `errors` from the committed shards -> (ok lines, error lines).
+
+    model: the name put in a response when the request's body gave none.
+    """
+    sorted_rows = Path(out_dir) / f"{TEMP_PREFIX}sorted.{shard_format}"
+    write_final(out_dir, shard_format, sorted_rows)
+    created = int(time.time())
+
+    def fill(ok_file: IO[bytes], error_file: IO[bytes]) -> tuple[int, int]:
+        return _emit(_groups(_read_rows(sorted_rows)), ok_file, error_file, model, created)
+
+    try:  # both files atomically: errors first, then results
+        return _write_atomic(results, lambda ok: _write_atomic(errors, lambda bad: fill(ok, bad)))
+    finally:
+        sorted_rows.unlink(missing_ok=True)
+
+
+def _read_rows(path: Path) -> Iterator[Row]:
+    if path.suffix == ".parquet":
+        for batch in pq.ParquetFile(path).iter_batches(READ_BATCH_ROWS):
+            yield from batch.to_pylist()
+        return
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _groups(rows: Iterator[Row]) -> Iterator[list[Row]]:
+    """The rows of one request (its samples), in input order."""
+    for _, group in itertools.groupby(rows, key=lambda r: r["index"]):
+        yield sorted(group, key=lambda r: r.get("sample_index") or 0)
+
+
+def _emit(
+    groups: Iterator[list[Row]], ok_file: IO[bytes], error_file: IO[bytes], model: str, created: int
+) -> tuple[int, int]:
+    seen: set[str] = set()  # custom_ids so far: a later line with one is the duplicate
+    counts = [0, 0]
+    for rows in groups:
+        custom_id = rows[0]["id"] or None
+        duplicate = custom_id in seen
+        if custom_id is not None:
+            seen.add(custom_id)
+        failed = next((r for r in rows if r["error"] is not None), None)
+        if failed is None:
+            line, target, slot = _success(rows, custom_id, model, created), ok_file, 0
+        else:
+            line, target, slot = _failure(failed, custom_id, duplicate), error_file, 1
+        target.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
+        counts[slot] += 1
+    return counts[0], counts[1]
+
+
+def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
+    error = {
+        "code": row.get("error_code") or "invalid_request",
+        "message": row["error"],
+        "param": row.get("error_param"),
+        "line": row.get("line"),
+    }
+    if duplicate:
+        message = f"custom_id {custom_id!r} is used by an earlier line: make custom_ids unique"
+        error.update(code="duplicate_custom_id", message=message, param="custom_id")
+    return {
+        "id": f"batch_req_{row['index']}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": error,
+    }
+
+
+def _success(rows: list[Row], custom_id: str | None, model: str, created: int) -> Row:
+    first = rows[0]
+    index, chat = first["index"], first.get("url") == CHAT_URL
+    prompt_tokens = first["num_prompt_tokens"]
+    completion_tokens = sum(r["num_generated_tokens"] for r in rows)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{index}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": first.get("model") or model,
+        "choices": [_chat_choice(r) if chat else _text_choice(r) for r in rows],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    response = {"status_code": 200, "request_id": f"req_{index}", "body": body}
+    return {"id": f"batch_req_{index}", "custom_id": custom_id, "response": response, "error": None}
+
+
+def _chat_choice(row: Row) -> Row:
+    logprobs = None
+    if row.get("logprobs") is not None:
+        content = [
+            {**_chat_logprob(lp), "top_logprobs": [_chat_logprob(t) for t in lp["top_logprobs"]]}
+            for lp in row["logprobs"]
+        ]
+        logprobs = {"content": content, "refusal": None}
+    return {
+        "index": row.get("sample_index") or 0,
+        "message": {"role": "assistant", "content": row["text"], "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": row["finish_reason"],
+    }
+
+
+def _chat_logprob(entry: Row) -> Row:
+    token = entry["token"]
+    return {"token": token, "logprob": entry["logprob"], "bytes": list(token.encode("utf-8"))}
+
+
+def _text_choice(row: Row) -> Row:
+    logprobs = None
+    if row.get("logprobs") is not None:
+        entries = row["logprobs"]
+        logprobs = {
+            "tokens": [lp["token"] for lp in entries],
+            "token_logprobs": [lp["logprob"] for lp in entries],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in lp["top_logprobs"]} for lp in entries
+            ],
+            "text_offset": None,  # offsets into prompt + completion text are not tracked
+        }
+    return {
+        "index": row.get("sample_index") or 0,
+        "text": row["text"],
+        "logprobs": logprobs,
+        "finish_reason": row["finish_reason"],
+    }

@@ -1,0 +1,183 @@
+"""The datasets pipeline API: Dataset / IterableDataset / DatasetDict in and out, composition
+with map and filter, one engine across calls, checkpoint resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import batchgen
+from batchgen import BatchgenError, Engine, EngineConfig, Generator, SamplingParams
+
+datasets = pytest.importorskip("datasets")
+
+PROMPTS = [f"Tell me about item {i} and the weather." for i in range(10)]
+OUTPUTS = ["sample_index", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens"]
+OUTPUTS += ["error"]
+
+
+@pytest.fixture(scope="module")
+def gen(model_dir) -> Iterator[Generator]:
+    with Generator(model_dir("llama"), EngineConfig(device="cpu", max_num_seqs=4)) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def expected(gen: Generator) -> dict[str, str]:
+    """Engine texts for PROMPTS, greedy, 6 tokens (the oracle for every call below)."""
+    outs = gen.engine.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    return {PROMPTS[int(o.request_id)]: o.text for o in outs}
+
+
+def table() -> Any:
+    return datasets.Dataset.from_dict({"prompt": PROMPTS, "k": list(range(len(PROMPTS)))})
+
+
+def stop_after(engine: Engine, outputs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the engine's next generate set the job's stop event after `outputs` results."""
+    original = engine.generate
+
+    def generate(*args: Any, stop: Any = None, **kwargs: Any) -> Iterator[Any]:
+        for count, out in enumerate(original(*args, stop=stop, **kwargs), start=1):
+            yield out
+            if count == outputs:
+                stop.set()
+        monkeypatch.setattr(engine, "generate", original)
+
+    monkeypatch.setattr(engine, "generate", generate)
+
+
+def test_dataset_gets_output_columns_in_input_order(gen: Generator, expected) -> None:
+    out = gen(table(), sampling={"max_new_tokens": 6}, progress=False)
+    assert isinstance(out, datasets.Dataset)
+    assert out.column_names == ["prompt", "k", *OUTPUTS]
+    assert out["k"] == list(range(10)) and out["sample_index"] == [0] * 10
+    assert out["text"] == [expected[p] for p in PROMPTS]
+    assert set(out["finish_reason"]) <= {"stop", "length"} and out["error"] == [None] * 10
+    assert out.features["error"] == datasets.Value("string")
+
+
+def test_map_filter_compose_on_one_engine(gen: Generator, expected, monkeypatch) -> None:
+    def no_new_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a call loaded a second engine")
+
+    monkeypatch.setattr("batchgen.job.Engine", no_new_engine)
+    ds = table().filter(lambda r: r["k"] % 2 == 0).map(lambda r: {"q": r["prompt"]})
+    first = gen(ds, prompt_column="q", sampling={"max_new_tokens": 6}, progress=False)
+    second = gen(ds, template="{q}", sampling={"max_new_tokens": 6}, progress=False)
+    assert first["text"] == [expected[p] for p in PROMPTS[::2]]
+    assert second["num_prompt_tokens"] == first["num_prompt_tokens"]
+    after = first.map(lambda r: {"chars": len(r["text"])}).filter(lambda r: r["k"] < 5)
+    assert after["k"] == [0, 2, 4] and after["chars"] == [len(t) for t in first["text"][:3]]
+
+
+def test_iterable_dataset_is_streamed_lazily(gen: Generator, expected, tmp_path: Path) -> None:
+    ds = table().to_iterable_dataset(num_shards=2).filter(lambda r: r["k"] != 3)
+    out = gen(ds, sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path / "cp", progress=False)
+    assert isinstance(out, datasets.IterableDataset)
+    assert out.column_names == ["prompt", "k", *OUTPUTS]
+    assert not (tmp_path / "cp").exists(), "nothing runs before the dataset is iterated"
+    rows = list(out.map(lambda r: {"chars": len(r["text"])}))
+    assert [r["k"] for r in rows] == [k for k in range(10) if k != 3]
+    assert [r["text"] for r in rows] == [expected[r["prompt"]] for r in rows]
+    assert all(r["chars"] == len(r["text"]) for r in rows)
+    again = list(out.take(2))  # a second pass reads the finished checkpoint
+    assert [r["text"] for r in again] == [r["text"] for r in rows[:2]]
+    summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
+    assert summary["resumed"] and summary["rows_ok"] == 0
+
+
+def test_dataset_dicts_run_each_split(gen: Generator, expected, tmp_path: Path) -> None:
+    dd = datasets.DatasetDict({"train": table().select(range(3)), "test": table().select([7])})
+    out = gen(dd, sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path, progress=False)
+    assert isinstance(out, datasets.DatasetDict) and set(out) == {"train", "test"}
+    assert out["test"]["text"] == [expected[PROMPTS[7]]]
+    assert (tmp_path / "train" / "results.parquet").is_file()
+    streamed = gen(
+        datasets.IterableDatasetDict({"s": dd["train"].to_iterable_dataset()}),
+        sampling={"max_new_tokens": 6},
+        progress=False,
+    )
+    assert [r["text"] for r in streamed["s"]] == out["train"]["text"]
+
+
+def test_n_samples_are_consecutive_rows(gen: Generator) -> None:
+    ds = table().select(range(3))
+    sampling = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=7, logprobs=2)
+    out = gen(ds, sampling=sampling, progress=False, include_token_ids=True)
+    assert out["k"] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert out["sample_index"] == [0, 1, 2] * 3
+    for row in out:
+        assert len(row["logprobs"]) == len(row["token_ids"]) == row["num_generated_tokens"]
+        assert [lp["token_id"] for lp in row["logprobs"]] == row["token_ids"]
+        assert all(len(lp["top_logprobs"]) == 2 for lp in row["logprobs"])
+    streamed = list(gen(ds.to_iterable_dataset(), sampling=sampling, include_token_ids=True))
+    assert [r["token_ids"] for r in streamed] == out["token_ids"]
+
+
+def test_chat_messages_and_bad_rows(gen: Generator) -> None:
+    ds = datasets.Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": "Hi!"}], "s": None},
+            {"messages": [], "s": None},
+            {"messages": [{"role": "user", "content": "Yo"}], "s": '{"temperature": -1}'},
+        ]
+    )
+    out = gen(ds, messages_column="messages", sampling_column="s", progress=False)
+    assert out["finish_reason"][0] in ("stop", "length") and out["error"][0] is None
+    assert out["finish_reason"][1:] == ["error", "error"] and out["text"][1:] == [None, None]
+    assert "non-empty list" in out["error"][1] and "temperature" in out["error"][2]
+    assert "logprobs" in out.column_names  # a sampling column may ask for them
+
+
+def test_checkpoint_resumes_after_an_interruption(
+    gen: Generator, expected, tmp_path: Path, monkeypatch
+) -> None:
+    stop_after(gen.engine, 3, monkeypatch)
+    with pytest.raises(BatchgenError, match="call again to resume"):
+        gen(table(), sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path, progress=False)
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert not first["complete"] and 0 < first["rows_committed_total"] < 10
+    out = gen(table(), sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path, progress=False)
+    assert out["text"] == [expected[p] for p in PROMPTS]
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["resumed"] and second["rows_ok"] == 10 - first["rows_committed_total"]
+    with pytest.raises(BatchgenError, match="different spec"):
+        gen(table(), sampling={"max_new_tokens": 7}, checkpoint_dir=tmp_path, progress=False)
+
+
+def test_user_errors_are_one_line(gen: Generator) -> None:
+    with pytest.raises(BatchgenError, match="already has a column 'text': pass output_prefix"):
+        gen(datasets.Dataset.from_dict({"text": ["a"]}), prompt_column="text")
+    out = gen(
+        datasets.Dataset.from_dict({"text": ["a b"]}),
+        prompt_column="text",
+        output_prefix="gen_",
+        sampling={"max_new_tokens": 2},
+        progress=False,
+    )
+    assert out.column_names == ["text", *(f"gen_{c}" for c in OUTPUTS)]
+    with pytest.raises(BatchgenError, match=r"unknown sampling field\(s\) \['temprature'\]"):
+        gen(table(), sampling={"temprature": 1.0})
+    with pytest.raises(BatchgenError, match="exactly one of"):
+        gen(table(), prompt_column="prompt", template="{prompt}")
+    with pytest.raises(BatchgenError, match="not list: wrap the data"):
+        gen([{"prompt": "hi"}])
+    with pytest.raises(BatchgenError, match="no column 'question'"):
+        gen(table(), template="Q: {question}")
+
+
+def test_module_level_generate(model_dir) -> None:
+    ds = datasets.Dataset.from_dict({"prompt": ["Hello there"]})
+    out = batchgen.generate(
+        ds,
+        model=model_dir("llama"),
+        engine_config=EngineConfig(device="cpu"),
+        sampling={"max_new_tokens": 3, "ignore_eos": True},
+        progress=False,
+    )
+    assert out["num_generated_tokens"] == [3] and out["prompt"] == ["Hello there"]

@@ -1,0 +1,217 @@
+"""OpenAI Batch files: request lines in, output and error files out, every line parsed with the
+`openai` package's own types; bad lines are error lines; an interrupted job resumes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.cli import main
+from batchgen.io.openai_batch import parse_request
+from batchgen.job import run_job
+from tests.test_job import spec_for, write_jsonl
+
+openai_types = pytest.importorskip("openai.types")
+pydantic = pytest.importorskip("pydantic")
+from openai.types import BatchError, Completion  # noqa: E402
+from openai.types.chat import ChatCompletion  # noqa: E402
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+class Response(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class OutputLine(pydantic.BaseModel):
+    """One line of an OpenAI Batch output or error file (the openai package has no type)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    id: str
+    custom_id: str | None
+    response: Response | None
+    error: BatchError | None
+
+
+def request(custom_id: Any, url: str = CHAT, **body: Any) -> dict[str, Any]:
+    if url == CHAT:
+        body.setdefault("messages", [{"role": "user", "content": f"Hello {custom_id}"}])
+    else:
+        body.setdefault("prompt", f"Once upon a time {custom_id}")
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def read_lines(path: Path) -> list[OutputLine]:
+    lines = [OutputLine.model_validate_json(x) for x in path.read_text().splitlines()]
+    for line in lines:
+        if line.response is not None:
+            kind = (
+                ChatCompletion if line.response.body["object"] == "chat.completion" else Completion
+            )
+            line.response.body = kind.model_validate(line.response.body)
+    return lines
+
+
+def run(model: Path, inp: Path, out: Path, *sets: str, engine: Engine | None = None) -> Any:
+    spec = spec_for(model, inp, out, "input.format='openai-batch'", *sets)
+    return run_job(spec, engine=engine)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> Path:
+    return model_dir("llama")
+
+
+def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            request("c1", model="m-1", max_tokens=5, n=2, temperature=0.8, seed=3),
+            request("c2", max_completion_tokens=4, logprobs=True, top_logprobs=2, stop=["\n"]),
+            request("c3", messages=[{"role": "user", "content": parts}], seed=None),
+            request("t1", COMPLETIONS, max_tokens=6, logprobs=1, stop="zzz"),
+        ],
+    )
+    result = run(model, inp, tmp_path / "out", "sampling.ignore_eos=true", "output.format='jsonl'")
+    assert result.complete and result.summary["error_file"].endswith("errors.jsonl")
+    lines = read_lines(tmp_path / "out" / "results.jsonl")
+    assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+    assert [x.custom_id for x in lines] == ["c1", "c2", "c3", "t1"]
+    assert all(x.error is None and x.response.status_code == 200 for x in lines)
+    c1, c2, c3, t1 = (x.response.body for x in lines)
+    assert isinstance(c1, ChatCompletion) and c1.model == "m-1" and c3.model == str(model)
+    assert [c.index for c in c1.choices] == [0, 1] and c1.usage.completion_tokens == 10
+    assert c1.usage.total_tokens == c1.usage.prompt_tokens + 10
+    assert c2.usage.completion_tokens == 4 and c3.usage.completion_tokens == 256
+    tokens = c2.choices[0].logprobs.content
+    assert len(tokens) == 4 and all(len(t.top_logprobs) == 2 for t in tokens)
+    assert all(t.bytes == list(t.token.encode()) for t in tokens)
+    assert isinstance(t1, Completion) and t1.object == "text_completion"
+    assert len(t1.choices[0].logprobs.tokens) == 6
+    assert "".join(t1.choices[0].logprobs.tokens) == t1.choices[0].text
+    engine = Engine(model, EngineConfig(device="cpu"))
+    (ref,) = engine.generate(["Once upon a time t1"], SamplingParams(max_new_tokens=6))
+    assert t1.choices[0].text == ref.text  # prompt as text, max_tokens -> max_new_tokens
+
+
+def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
+    long = " ".join(["word"] * 300)
+    rows = [
+        request("ok-1", max_tokens=3),
+        request("ok-1", max_tokens=3),
+        request("emb", "/v1/embeddings"),
+        request("tools", tools=[]),
+        '{"custom_id": "broken", ',
+        {**request("x"), "custom_id": None},
+        {**request("get"), "method": "GET"},
+        request("temp", temperature=-1),
+        request("top", top_logprobs=3),
+        request("both", max_tokens=2, max_completion_tokens=2),
+        request("long", COMPLETIONS, prompt=long),
+        request("ok-2", COMPLETIONS, max_tokens=3),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    result = run(model, inp, tmp_path / "out", "runtime.max_model_len=64")
+    assert result.complete
+    ok = read_lines(tmp_path / "out" / "results.jsonl")
+    errors = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert [x.custom_id for x in ok] == ["ok-1", "ok-2"]
+    assert all(x.response is None and x.error is not None for x in errors)
+    got = [(x.custom_id, x.error.code, x.error.param, x.error.line) for x in errors]
+    assert got == [
+        ("ok-1", "duplicate_custom_id", "custom_id", 2),
+        ("emb", "invalid_url", "url", 3),
+        ("tools", "unknown_parameter", "tools", 4),
+        (None, "invalid_json_line", None, 5),
+        (None, "missing_required_parameter", "custom_id", 6),
+        ("get", "invalid_method", "method", 7),
+        ("temp", "invalid_value", "temperature", 8),
+        ("top", "invalid_value", "top_logprobs", 9),
+        ("both", "invalid_value", "max_tokens", 10),
+        ("long", "invalid_request", None, 11),
+    ]
+    messages = [x.error.message for x in errors]
+    assert all(m and "\n" not in m for m in messages)
+    assert "unsupported body field 'tools'" in messages[2] and "max_model_len" in messages[9]
+    assert len({x.id for x in ok + errors}) == len(rows), "one line per request, none dropped"
+
+
+def stop_after(engine: Engine, outputs: int) -> Engine:
+    """The engine's next generate sets the job's stop event after `outputs` results."""
+    original = engine.generate
+
+    def generate(*args: Any, stop: Any = None, **kwargs: Any) -> Iterator[Any]:
+        for count, out in enumerate(original(*args, stop=stop, **kwargs), start=1):
+            yield out
+            if count == outputs:
+                stop.set()
+        engine.generate = original
+
+    engine.generate = generate
+    return engine
+
+
+def test_interrupted_job_resumes(model: Path, tmp_path: Path) -> None:
+    rows = [request(f"r{i}", COMPLETIONS if i % 3 else CHAT, max_tokens=4) for i in range(16)]
+    rows.insert(5, request("r1"))  # a duplicate before the interruption point
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("runtime.max_num_seqs=2", "output.shard_rows=2")
+    engine = stop_after(Engine(model, EngineConfig(device="cpu", max_num_seqs=2)), 4)
+    first = run(model, inp, tmp_path / "out", *sets, engine=engine)
+    assert first.interrupted and not first.complete
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+    second = run(model, inp, tmp_path / "out", *sets, engine=engine)
+    assert second.complete and second.summary["resumed"]
+    assert 0 < first.summary["rows_committed_total"] < len(rows)
+    ok = read_lines(tmp_path / "out" / "results.jsonl")
+    (dup,) = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert [x.custom_id for x in ok] == [f"r{i}" for i in range(16)]
+    assert dup.custom_id == "r1" and dup.error.code == "duplicate_custom_id"
+    whole = run(model, inp, tmp_path / "whole", *sets)
+    assert whole.complete
+    expected = read_lines(tmp_path / "whole" / "results.jsonl")
+    assert [x.response.body.choices for x in ok] == [x.response.body.choices for x in expected]
+
+
+def test_cli_format_flag_and_prompt_section(model: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [request("a", max_tokens=2)])
+    args = ["run", "--format", "openai-batch", "--input", str(inp), "--model", str(model)]
+    args += ["--quiet", "--set", "runtime.device='cpu'"]
+    done = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    assert [x.custom_id for x in read_lines(tmp_path / "out" / "results.jsonl")] == ["a"]
+    bad = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "o2"), "--template", "{a}"])
+    assert bad.exit_code == 2 and "[prompt] template does not apply" in bad.output
+    with pytest.raises(BatchgenError, match="id_column does not apply"):
+        run(model, inp, tmp_path / "o3", "prompt.id_column='custom_id'")
+
+
+def test_body_fields_map_onto_sampling() -> None:
+    chat = parse_request(
+        request("a", logprobs=True, top_logprobs=3, stop="x", max_completion_tokens=7, n=2), None, 1
+    )
+    assert chat["error_code"] is None and chat["messages"][0]["content"] == "Hello a"
+    expected = {"logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
+    assert chat["sampling"] == expected
+    plain = parse_request(request("b", logprobs=False, top_p=0.5, temperature=None), None, 2)
+    assert plain["sampling"] == {"top_p": 0.5}
+    text = parse_request(request("c", COMPLETIONS, logprobs=0, presence_penalty=0.5), None, 3)
+    assert text["prompt"] == "Once upon a time c"
+    assert text["sampling"] == {"logprobs": 0, "presence_penalty": 0.5}
+    bad = parse_request(request("d", COMPLETIONS, logprobs=True), None, 4)
+    assert (bad["error_code"], bad["error_param"]) == ("invalid_value", "logprobs")
+    assert parse_request(request("e", COMPLETIONS, logprobs=21), None, 5)["error_code"]
+    unknown = parse_request(request("f", COMPLETIONS, max_completion_tokens=3), None, 6)
+    assert unknown["error_code"] == "unknown_parameter"
+    assert parse_request(None, "x line 7: malformed JSON", 7)["error_message"].startswith(
+        "x line 7"
+    )
