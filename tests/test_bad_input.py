@@ -83,3 +83,15 @@ def test_kv_cache_too_small_for_one_request(model_dir) -> None:
     path = model_dir("llama", max_position_embeddings=64)
     with pytest.raises(BatchgenError, match="KV cache fits"):
         Engine(path, EngineConfig(device="cpu", block_size=8, cpu_kv_cache_gib=1e-6))
+
+
+def test_model_that_does_not_fit_is_a_clear_error(model_dir, monkeypatch) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
+    with pytest.raises(BatchgenError, match="does not fit on cpu"):
+        Engine(model_dir("llama"), EngineConfig(device="cpu"))

@@ -66,18 +66,32 @@ def load_model(
     model: str | Path | PreTrainedModel, device: torch.device, dtype: torch.dtype
 ) -> PreTrainedModel:
     register()
-    if isinstance(model, PreTrainedModel):
-        model.set_attn_implementation(ATTENTION_NAME)
-        return model.to(device=device, dtype=dtype).eval()
-    source = resolve_model_path(model)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=ATTENTION_NAME
-        )
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BatchgenError(f"could not load model '{model}': {first}") from exc
-    return loaded.to(device).eval()
+        if isinstance(model, PreTrainedModel):
+            model.set_attn_implementation(ATTENTION_NAME)
+            return model.to(device=device, dtype=dtype).eval()
+        source = resolve_model_path(model)
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=ATTENTION_NAME
+            )
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BatchgenError(f"could not load model '{model}': {first}") from exc
+        return loaded.to(device).eval()
+    except torch.OutOfMemoryError as exc:
+        free = _free_gib(device)
+        raise BatchgenError(
+            f"model '{getattr(model, 'name_or_path', model)}' does not fit on {device} in "
+            f"{dtype} ({free} free): use a smaller model, another dtype or a larger device"
+        ) from exc
+
+
+def _free_gib(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "not enough memory"
+    free, _ = torch.cuda.mem_get_info(device)
+    return f"{free / 2**30:.1f} GiB"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -1,0 +1,87 @@
+"""The command line: user errors end in one line and a non-zero exit, before model work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--input", "/nonexistent/x.jsonl"], "does not exist"),
+        (["--template", "S: {article}"], "no column 'article'"),
+        (["--set", "sampling.temprature=0.5"], "unknown key sampling.temprature"),
+        (["--set", "sampling.top_p=0"], "top_p=0.0 must be in (0, 1]"),
+        (["--set", "runtime.max_num_seqs='many'"], "runtime.max_num_seqs = 'many'"),
+    ],
+)
+def test_user_errors_are_one_line(
+    tmp_path: Path, prompts: Path, extra: list[str], message: str
+) -> None:
+    args = [
+        "run",
+        "--model",
+        "/nonexistent-model",
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "out"),
+        *extra,
+    ]
+    code, output = invoke(*args)
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, output
+    assert lines[0].startswith("batchgen: error:") and message in lines[0]
+    assert not (tmp_path / "out").exists(), "nothing written before the checks pass"
+
+
+def test_missing_model_and_busy_output_dir(tmp_path: Path, prompts: Path) -> None:
+    code, output = invoke(
+        "run",
+        "--model",
+        str(tmp_path / "nope"),
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "out"),
+    )
+    assert code == 2 and "model path" in output and "does not exist" in output
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("x")
+    code, output = invoke("run", "--input", str(prompts), "--output", str(busy))
+    assert code == 2 and "holds no batchgen job" in output
+
+
+def test_validate_prints_the_resolved_spec(prompts: Path, tmp_path: Path) -> None:
+    code, output = invoke(
+        "validate",
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "o"),
+        "--set",
+        "sampling.top_k=5",
+    )
+    assert code == 0
+    spec = json.loads(output[: output.rindex("}") + 1])
+    assert spec["sampling"]["top_k"] == 5 and spec["sampling"]["top_p"] == 1.0
+    assert "ok:" in output and "1 rows" in output
