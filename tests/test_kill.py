@@ -18,7 +18,10 @@ pytestmark = pytest.mark.slow
 NUM_ROWS = 300
 
 
-def make_job(model: Path, tmp_path: Path, name: str) -> list[str]:
+SAMPLED = ["--temperature", "0.9", "--set", "sampling.top_p=0.95", "--set", "sampling.seed=7"]
+
+
+def make_job(model: Path, tmp_path: Path, name: str, extra: tuple[str, ...] = ()) -> list[str]:
     inp = tmp_path / "in.jsonl"
     if not inp.exists():
         rows = [
@@ -48,6 +51,7 @@ def make_job(model: Path, tmp_path: Path, name: str) -> list[str]:
         "runtime.device='cpu'",
         "--set",
         "runtime.max_num_seqs=8",
+        *extra,
     ]
 
 
@@ -81,13 +85,21 @@ def wait_for_shards(proc: subprocess.Popen, out: Path, at_least: int, timeout: f
         time.sleep(0.02)
 
 
-def test_sigkill_at_random_moments_loses_nothing_and_duplicates_nothing(model_dir, tmp_path):
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_sigkill_at_random_moments_loses_nothing_and_duplicates_nothing(
+    model_dir, tmp_path, sampling: str
+) -> None:
+    """Kill -9 at random moments, then finish: every id once, every text as uninterrupted
+    (greedy, and seeded sampling whose draws depend on seed and position only)."""
     model = model_dir("llama")
-    reference = subprocess.run(make_job(model, tmp_path, "ref"), capture_output=True, text=True)
+    extra = tuple(SAMPLED) if sampling == "sampled" else ()
+    reference = subprocess.run(
+        make_job(model, tmp_path, "ref", extra), capture_output=True, text=True
+    )
     assert reference.returncode == 0, reference.stderr
     expected = results(tmp_path / "ref")
 
-    cmd = make_job(model, tmp_path, "killed")
+    cmd = make_job(model, tmp_path, "killed", extra)
     out = tmp_path / "killed"
     rng = random.Random(0)
     kills = 0
