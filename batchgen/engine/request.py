@@ -98,12 +98,6 @@ class Request:
     def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return (
-            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-        )
-
     def stop_reason(self, token: int) -> str | None:
         """Why the sequence ends after appending `token`, or None."""
         if token in self.params.stop_token_ids:
