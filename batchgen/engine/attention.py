@@ -8,6 +8,7 @@ their forward **kwargs as `batchgen_meta`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Protocol
 
 import torch
@@ -108,12 +109,73 @@ class ReferenceBackend:
                 scale,
                 window,
             )
-        for i, ctx in enumerate(lens[nd:], start=nd):
-            start, end = cu[i], cu[i + 1]
+        starts, sizes, ctxs = cu[nd:-1], [b - a for a, b in pairwise(cu[nd:])], lens[nd:]
+        if len(ctxs) > 1 and len(ctxs) * max(sizes) * max(ctxs) <= BATCHED_PREFILL_LIMIT:
+            rows = slice(cu[nd], cu[-1])
+            out[rows] = prefill_batched(
+                q[rows], k_cache, v_cache, meta.block_tables[nd:], sizes, ctxs, scale, window
+            )
+            return out
+        for i, (start, size, ctx) in enumerate(zip(starts, sizes, ctxs, strict=True), start=nd):
             keys, values = gather_sequence(k_cache, v_cache, meta.block_tables[i], ctx)
-            mask = causal_mask(end - start, ctx, window, q.device)
-            out[start:end] = sdpa_one(q[start:end], keys, values, mask, scale)
+            mask = causal_mask(size, ctx, window, q.device)
+            out[start : start + size] = sdpa_one(q[start : start + size], keys, values, mask, scale)
         return out
+
+
+BATCHED_PREFILL_LIMIT = 1 << 22  # sequences x longest chunk x longest context, else a loop
+
+
+def prefill_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    sizes: list[int],
+    ctxs: list[int],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """All prefill chunks in one padded SDPA. q: [sum(sizes), H, D] -> same shape.
+
+    Chunk i holds the last sizes[i] positions of its ctxs[i]-token context.
+    """
+    device, n, q_max, ctx_max = q.device, len(sizes), max(sizes), max(ctxs)
+    seq = torch.repeat_interleave(
+        torch.arange(n, device=device), torch.tensor(sizes, device=device)
+    )
+    first = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
+    row = torch.arange(q.shape[0], device=device) - first[seq]  # position within its chunk
+    padded = q.new_zeros(n, q_max, *q.shape[1:])
+    padded[seq, row] = q
+    block_size = k_cache.shape[1]
+    tables = block_tables[:, : (ctx_max + block_size - 1) // block_size].long()
+    keys = k_cache[tables].flatten(1, 2)[:, :ctx_max]  # [n, L, Hkv, D]; -1 rows are masked
+    values = v_cache[tables].flatten(1, 2)[:, :ctx_max]
+    ctx = torch.tensor(ctxs, device=device)[:, None, None]
+    q_pos = (
+        ctx
+        - torch.tensor(sizes, device=device)[:, None, None]
+        + torch.arange(q_max, device=device)[None, :, None]
+    )
+    k_pos = torch.arange(ctx_max, device=device)[None, None, :]
+    mask = (k_pos <= q_pos) & (k_pos < ctx)
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    padding = (
+        torch.arange(q_max, device=device)[None, :, None]
+        >= torch.tensor(sizes, device=device)[:, None, None]
+    )
+    mask |= padding & (k_pos == 0)  # padded query rows attend somewhere; their output is dropped
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)[seq, row]
 
 
 def write_kv_reference(
