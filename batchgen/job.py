@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from batchgen.engine import Engine, Prompt
+from batchgen.engine.model_loader import resolve_model_path
 from batchgen.errors import BatchgenError
 from batchgen.io import (
     InputSource,
@@ -85,6 +86,8 @@ def run_job(
     engine: a loaded engine to use (kept loaded afterwards); source: see check_job.
     """
     source = check_job(spec, source)
+    if engine is None:
+        resolve_model_path(spec.model.path)  # a missing model folder fails before any output
     out_dir = Path(spec.output.dir)
     resuming = claim_output_dir(out_dir, spec.to_dict(), force_resume)
     remove_temp_files(out_dir)

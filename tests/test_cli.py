@@ -64,6 +64,7 @@ def test_missing_model_and_busy_output_dir(tmp_path: Path, prompts: Path) -> Non
         str(tmp_path / "out"),
     )
     assert code == 2 and "model path" in output and "does not exist" in output
+    assert not (tmp_path / "out").exists(), "a typo in the model path claims no output dir"
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("x")
