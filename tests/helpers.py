@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -39,3 +41,18 @@ def hf_greedy(
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def stop_after(engine: Any, outputs: int) -> Any:
+    """The engine's next generate sets the job's stop event after `outputs` results."""
+    original = engine.generate
+
+    def generate(*args: Any, stop: Any = None, **kwargs: Any) -> Iterator[Any]:
+        for count, out in enumerate(original(*args, stop=stop, **kwargs), start=1):
+            yield out
+            if count == outputs:
+                stop.set()
+        engine.generate = original
+
+    engine.generate = generate
+    return engine

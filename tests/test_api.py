@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import batchgen
-from batchgen import BatchgenError, Engine, EngineConfig, Generator, SamplingParams
+from batchgen import BatchgenError, EngineConfig, Generator, SamplingParams
+from tests.helpers import stop_after
 
 datasets = pytest.importorskip("datasets")
 
@@ -35,20 +36,6 @@ def expected(gen: Generator) -> dict[str, str]:
 
 def table() -> Any:
     return datasets.Dataset.from_dict({"prompt": PROMPTS, "k": list(range(len(PROMPTS)))})
-
-
-def stop_after(engine: Engine, outputs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the engine's next generate set the job's stop event after `outputs` results."""
-    original = engine.generate
-
-    def generate(*args: Any, stop: Any = None, **kwargs: Any) -> Iterator[Any]:
-        for count, out in enumerate(original(*args, stop=stop, **kwargs), start=1):
-            yield out
-            if count == outputs:
-                stop.set()
-        monkeypatch.setattr(engine, "generate", original)
-
-    monkeypatch.setattr(engine, "generate", generate)
 
 
 def test_dataset_gets_output_columns_in_input_order(gen: Generator, expected) -> None:
@@ -137,7 +124,7 @@ def test_chat_messages_and_bad_rows(gen: Generator) -> None:
 def test_checkpoint_resumes_after_an_interruption(
     gen: Generator, expected, tmp_path: Path, monkeypatch
 ) -> None:
-    stop_after(gen.engine, 3, monkeypatch)
+    stop_after(gen.engine, 3)
     with pytest.raises(BatchgenError, match="call again to resume"):
         gen(table(), sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path, progress=False)
     first = json.loads((tmp_path / "summary.json").read_text())

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
 from batchgen.io.openai_batch import parse_request
 from batchgen.job import run_job
+from tests.helpers import stop_after
 from tests.test_job import spec_for, write_jsonl
 
 openai_types = pytest.importorskip("openai.types")
@@ -143,21 +143,6 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
     assert all(m and "\n" not in m for m in messages)
     assert "unsupported body field 'tools'" in messages[2] and "max_model_len" in messages[9]
     assert len({x.id for x in ok + errors}) == len(rows), "one line per request, none dropped"
-
-
-def stop_after(engine: Engine, outputs: int) -> Engine:
-    """The engine's next generate sets the job's stop event after `outputs` results."""
-    original = engine.generate
-
-    def generate(*args: Any, stop: Any = None, **kwargs: Any) -> Iterator[Any]:
-        for count, out in enumerate(original(*args, stop=stop, **kwargs), start=1):
-            yield out
-            if count == outputs:
-                stop.set()
-        engine.generate = original
-
-    engine.generate = generate
-    return engine
 
 
 def test_interrupted_job_resumes(model: Path, tmp_path: Path) -> None:

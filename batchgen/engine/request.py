@@ -57,10 +57,6 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     children: list[Request] = field(default_factory=list)  # samples waiting for this prompt
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.request_id, self.sample_index
-
     @functools.cached_property
     def sample_ints(self) -> tuple[int, int, int]:
         """(top_k, logprobs k or -1, track penalties): fixed for the request's life."""

@@ -39,10 +39,6 @@ class SamplingParams:
             raise ValueError(problem)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def uses_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

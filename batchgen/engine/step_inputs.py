@@ -69,7 +69,6 @@ class HostStep(NamedTuple):
     context_lens: list[int]
     num_decodes: int
     flags: SamplingFlags
-    padded_from: int  # real sequences before padding (== layout.B when not padded)
 
 
 class DeviceStep(NamedTuple):
@@ -184,7 +183,7 @@ def prepare_step(
         ]
     )
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.ctx) - real)
-    return HostStep(layout, L.cu, L.ctx, num_decodes, _flags(sample_cols, float_cols), real), flat
+    return HostStep(layout, L.cu, L.ctx, num_decodes, _flags(sample_cols, float_cols)), flat
 
 
 def _flags(sample_cols: list[tuple], float_cols: list[tuple]) -> SamplingFlags:
