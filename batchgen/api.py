@@ -23,20 +23,13 @@ import pyarrow.parquet as pq
 from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.errors import BatchgenError
 from batchgen.io import InputConfig, OutputConfig, dataset_source
+from batchgen.io.output_schema import output_columns as schema_columns
 from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
 from batchgen.spec import JobSpec, ModelConfig, PipelineConfig
+from batchgen.streaming import stream_rows
 
-BASE_COLUMNS = (
-    "sample_index",
-    "text",
-    "finish_reason",
-    "num_prompt_tokens",
-    "num_generated_tokens",
-    "error",
-)
-TOKEN_ID_COLUMNS = ("prompt_token_ids", "token_ids")
-READ_BATCH_ROWS = 1024  # result rows read at a time when streaming
+JOIN_KEYS = ("index", "id")  # output columns the joined dataset does not repeat
 
 
 class Generator:
@@ -87,8 +80,9 @@ class Generator:
         output_prefix): sample_index, text, finish_reason, num_prompt_tokens,
         num_generated_tokens, error; logprobs when sampling asks for them (or with
         sampling_column); prompt_token_ids and token_ids with include_token_ids.
-        A Dataset is generated now; an IterableDataset lazily, each time it is iterated (the
-        input is read twice: for prompts, then to join), in bounded memory; a DatasetDict or
+        A Dataset is generated now; an IterableDataset lazily, each time it is iterated: each
+        input row is read once and carried to its result, rows come out in input order as
+        they finish, and only about as many rows are generated as are taken; a DatasetDict or
         IterableDatasetDict split by split, checkpointed under checkpoint_dir/<split>.
         """
         prompt = {
@@ -175,27 +169,31 @@ class Generator:
 
         features = None
         if ds.features is not None:
-            out = {prefix + c: f for c, f in output_features(columns).items()}
+            out = {prefix + c: f for c, f in output_features(spec).items() if c in columns}
             features = datasets.Features({**ds.features, **out})
+        read = spec.prompt.columns_used() or None
 
         def rows() -> Iterator[dict[str, Any]]:
-            with _job_dir(checkpoint_dir) as out_dir:
-                result = self._run(ds, spec, out_dir, checkpoint_dir is not None)
-                yield from _zip_rows(ds, result, columns, prefix)
+            with self._lock, _job_dir(checkpoint_dir) as out_dir:
+                job = self._job_spec(ds, spec, out_dir, final_file=checkpoint_dir is not None)
+                yield from stream_rows(ds, job, self.engine, out_dir, columns, prefix, read)
 
         return datasets.IterableDataset.from_generator(rows, features=features)
 
-    def _run(self, ds: Any, spec: JobSpec, out_dir: Path, kept: bool) -> Path:
-        """Run (or resume) the job over ds in out_dir -> its results.parquet."""
+    def _job_spec(self, ds: Any, spec: JobSpec, out_dir: Path, final_file: bool = True) -> JobSpec:
         kind = type(ds).__name__
         size = f"{len(ds)} rows, " if hasattr(ds, "__len__") else ""
         description = f"datasets.{kind}({size}columns {ds.column_names})"
-        spec = dataclasses.replace(
+        return dataclasses.replace(
             spec,
             input=dataclasses.replace(spec.input, path=description),
-            output=dataclasses.replace(spec.output, dir=str(out_dir)),
+            output=dataclasses.replace(spec.output, dir=str(out_dir), final_file=final_file),
         )
-        source = dataset_source(ds.with_format(None), spec.input.batch_rows, description)
+
+    def _run(self, ds: Any, spec: JobSpec, out_dir: Path, kept: bool) -> Path:
+        """Run (or resume) the job over ds in out_dir -> its results.parquet."""
+        spec = self._job_spec(ds, spec, out_dir)
+        source = dataset_source(ds.with_format(None), spec.input.batch_rows, spec.input.path)
         with self._lock:
             result = run_job(spec, engine=self.engine, source=source)
         if not result.complete:
@@ -223,31 +221,18 @@ def generate(
 
 def output_columns(spec: JobSpec) -> list[str]:
     """The columns a call adds, decided by its arguments (not by what the rows hold)."""
-    columns = list(BASE_COLUMNS)
-    if spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None:
-        columns.append("logprobs")
-    if spec.output.include_token_ids:
-        columns.extend(TOKEN_ID_COLUMNS)
-    return columns
+    logprobs = spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None
+    own = schema_columns(logprobs=logprobs, token_ids=spec.output.include_token_ids)
+    return [c for c in own if c not in JOIN_KEYS]
 
 
-def output_features(columns: list[str]) -> Any:
+def output_features(spec: JobSpec) -> Any:
+    """datasets Features of every column a call can add (from the one output schema)."""
     import datasets
 
-    value, seq = datasets.Value, datasets.List
-    top = {"token": value("string"), "token_id": value("int64"), "logprob": value("float64")}
-    known = {
-        "sample_index": value("int64"),
-        "text": value("string"),
-        "finish_reason": value("string"),
-        "num_prompt_tokens": value("int64"),
-        "num_generated_tokens": value("int64"),
-        "error": value("string"),
-        "logprobs": seq({**top, "top_logprobs": seq(top)}),
-        "prompt_token_ids": seq(value("int64")),
-        "token_ids": seq(value("int64")),
-    }
-    return datasets.Features({c: known[c] for c in columns})
+    own = schema_columns(logprobs=True, token_ids=True)
+    schema = pa.schema([(c, t) for c, t in own.items() if c not in JOIN_KEYS])
+    return datasets.Features.from_arrow_schema(schema)
 
 
 @contextlib.contextmanager
@@ -267,7 +252,7 @@ def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:
     """The input rows (repeated per sample) side by side with the typed output columns."""
     import datasets
 
-    schema = output_features(columns).arrow_schema
+    schema = output_features_schema(columns)
     arrays = [
         table.column(c).cast(schema.field(c).type)
         if c in table.column_names
@@ -280,30 +265,6 @@ def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:
     return datasets.concatenate_datasets([base, datasets.Dataset(outputs)], axis=1)
 
 
-def _zip_rows(ds: Any, result: Path, columns: list[str], prefix: str) -> Iterator[dict[str, Any]]:
-    """Stream the input again beside the results (both in input order)."""
-    results = _result_rows(result, columns)
-    current = next(results, None)
-    for index, example in enumerate(ds):
-        if current is None or current["index"] != index:
-            raise BatchgenError(
-                f"input row {index} has no result: the dataset gave other rows when read again; "
-                "give generate a dataset whose order is fixed"
-            )
-        while current is not None and current["index"] == index:
-            yield {**example, **{prefix + c: current.get(c) for c in columns}}
-            current = next(results, None)
-    if current is not None:
-        raise BatchgenError(
-            "the dataset gave fewer rows when read again: give generate a dataset whose "
-            "order is fixed"
-        )
-
-
-def _result_rows(path: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
-    file = pq.ParquetFile(path)
-    read = [c for c in ("index", *columns) if c in file.schema_arrow.names]
-    if "index" not in read:
-        return
-    for batch in file.iter_batches(READ_BATCH_ROWS, columns=read):
-        yield from batch.to_pylist()
+def output_features_schema(columns: list[str]) -> pa.Schema:
+    own = schema_columns(logprobs=True, token_ids=True)
+    return pa.schema([(c, own[c]) for c in columns])

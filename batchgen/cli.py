@@ -103,6 +103,14 @@ def run(
         _fail(exc)
     summary = result.summary
     click.echo(json.dumps(summary, indent=2))
+    if not result.interrupted and not result.complete:
+        committed = summary["rows_committed_total"]
+        click.echo(
+            f"batchgen: error: the job ended with rows not committed ({committed} are in "
+            f"{spec.output.dir}): run the same command again to finish it",
+            err=True,
+        )
+        sys.exit(1)
     if result.interrupted:
         click.echo(
             f"batchgen: interrupted; {summary['rows_committed_total']} rows are committed in "

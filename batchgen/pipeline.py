@@ -3,6 +3,10 @@ bounded queue, and a consumer that detokenizes and writes shards off the engine 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import hashlib
+import json
 import queue
 import threading
 import time
@@ -11,11 +15,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.engine import NOT_READY
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
+from batchgen.io.output_schema import INPUT_HASH
 from batchgen.prompts import PromptBuilder, RowPrompt
 
 _POLL_S = 0.2
+
+
+def row_hash(row: RawRow) -> str:
+    """A stable hash of what was read for a row (its values, or why they could not be read)."""
+    body = row.error if row.values is None else row.values
+    text = json.dumps(body, sort_keys=True, ensure_ascii=True, default=repr)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
 
 
 class Producer(threading.Thread):
@@ -30,19 +43,24 @@ class Producer(threading.Thread):
         threads: int,
         prefetch: int,
         stop: threading.Event,
+        hash_rows: bool = False,
     ) -> None:
         super().__init__(name="batchgen-producer", daemon=True)
         self.batches = batches
         self.builder = builder
         self.done = done
         self.id_column = id_column
+        self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
         self.queue: queue.Queue[Future[list[RowPrompt]] | None] = queue.Queue(maxsize=prefetch)
         self.stop = stop
         self.error: BaseException | None = None
-        self.rows_read = 0
+        self.rows_read = 0  # rows of the input read so far (committed ones included)
         self.finished = False  # the whole input was read
         self._ids: set[str] = set()
+        self._current: Future[list[RowPrompt]] | None = None  # the engine thread's side
+        self._ready: collections.deque[RowPrompt] = collections.deque()
+        self._ended = False
 
     def run(self) -> None:
         try:
@@ -59,16 +77,28 @@ class Producer(threading.Thread):
             self._put(None)
             self.pool.shutdown(wait=False)
 
-    def prompts(self) -> Iterator[RowPrompt]:
-        """Prepared rows in input order; ends at the end of input or when stopped."""
-        while not self.stop.is_set():
+    def next_row(self, wait: float) -> RowPrompt | object | None:
+        """The next prepared row in input order; None at the end of the input (or when
+        stopped); NOT_READY when none is ready within `wait` seconds."""
+        while not self._ready:
+            if self._ended or self.stop.is_set():
+                return None
+            if self._current is None:
+                try:
+                    item = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
+                except queue.Empty:
+                    return NOT_READY
+                if item is None:
+                    self._ended = True
+                    return None
+                self._current = item
             try:
-                future = self.queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if future is None:
-                return
-            yield from future.result()
+                rows = self._current.result(timeout=wait)
+            except concurrent.futures.TimeoutError:
+                return NOT_READY
+            self._current = None
+            self._ready.extend(rows)
+        return self._ready.popleft()
 
     def _check(self, row: RawRow) -> tuple[bool, str | None]:
         """Count the row and its id -> (not yet committed, the id if an earlier row had it)."""
@@ -86,11 +116,12 @@ class Producer(threading.Thread):
     def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
         out = []
         for row, duplicate in rows:
+            digest = row_hash(row) if self.hash_rows else None
             if row.values is None:
                 row_id = str(row.index) if self.id_column is None else ""
-                out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error))
+                out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error, digest))
                 continue
-            prepared = self.builder.build(row.index, row.values)
+            prepared = self.builder.build(row.index, row.values)._replace(input_hash=digest)
             if duplicate is not None:
                 prepared = prepared._replace(
                     prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
@@ -117,7 +148,11 @@ class Stats:
 
 
 class Consumer(threading.Thread):
-    """Turns finished requests (and error rows) into output rows and commits shards."""
+    """Turns finished requests (and error rows) into output rows and commits shards.
+
+    A failure (a shard that cannot be written) is kept in `error` and sets `failed` at once,
+    so the engine stops instead of generating rows that cannot be saved.
+    """
 
     def __init__(
         self,
@@ -125,16 +160,19 @@ class Consumer(threading.Thread):
         decode: Callable[[list[int]], str],
         include_token_ids: bool,
         on_row: Callable[[Stats], None],
+        on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         super().__init__(name="batchgen-writer", daemon=True)
         self.writer = writer
         self.decode = decode
         self.include_token_ids = include_token_ids
         self.on_row = on_row
+        self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
         self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
         self._samples: dict[int, list[dict[str, Any]]] = {}  # index -> finished samples so far
         self.stats = Stats()
         self.error: BaseException | None = None
+        self.failed = threading.Event()
 
     def run(self) -> None:
         try:
@@ -147,10 +185,10 @@ class Consumer(threading.Thread):
                 if item is None:
                     break
                 self._collect(*item)
+            self.writer.commit()
         except BaseException as exc:
             self.error = exc
-        finally:
-            self.writer.commit()
+            self.failed.set()
 
     def _collect(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
         """Write an input row's samples together, once all of them have finished."""
@@ -158,7 +196,11 @@ class Consumer(threading.Thread):
         group.append(self._row(prompt, out))
         if len(group) == (1 if out is None else out.num_samples):
             del self._samples[prompt.index]
-            self.writer.add_group(sorted(group, key=lambda r: r["sample_index"]))
+            rows = sorted(group, key=lambda r: r["sample_index"])
+            self.writer.add_group(rows)
+            self._count(rows)
+            if self.on_rows is not None:
+                self.on_rows(rows)
             self.on_row(self.stats)
 
     def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> dict[str, Any]:
@@ -182,7 +224,8 @@ class Consumer(threading.Thread):
         if out is not None and out.logprobs is not None and not error:
             row["logprobs"] = [self._logprob_entry(lp) for lp in out.logprobs]
         row.update(prompt.passthrough)
-        self._count(row)
+        if prompt.input_hash is not None:
+            row[INPUT_HASH] = prompt.input_hash
         return row
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
@@ -197,14 +240,15 @@ class Consumer(threading.Thread):
             "top_logprobs": top,
         }
 
-    def _count(self, row: dict[str, Any]) -> None:
+    def _count(self, rows: list[dict[str, Any]]) -> None:
         s = self.stats
-        if row["error"] is None:
-            s.rows_ok += 1
-        else:
-            s.rows_error += 1
-        s.prompt_tokens += row["num_prompt_tokens"]
-        s.generated_tokens += row["num_generated_tokens"]
+        for row in rows:
+            if row["error"] is None:
+                s.rows_ok += 1
+            else:
+                s.rows_error += 1
+            s.prompt_tokens += row["num_prompt_tokens"]
+            s.generated_tokens += row["num_generated_tokens"]
 
 
 def wait_for(thread: threading.Thread, poll_s: float = _POLL_S) -> None:

@@ -83,6 +83,7 @@ class RowPrompt(NamedTuple):
     overrides: dict[str, Any]
     passthrough: dict[str, Any]
     error: str | None
+    input_hash: str | None = None  # the row's hash, for sources checked row by row on resume
 
 
 class PromptBuilder:

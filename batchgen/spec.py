@@ -25,6 +25,20 @@ from batchgen.prompts import PromptConfig
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "default"  # a local model folder, a hub id, or "default" (the embedded model)
+    # names the model answers to in OpenAI Batch lines (body.model); () = the path as given
+    served_model_name: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if not all(isinstance(n, str) and n for n in self.served_model_name):
+            raise ValueError(
+                f"served_model_name={list(self.served_model_name)!r}: use non-empty strings"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names a request may give for this model; the first one labels responses."""
+        return self.served_model_name or (self.path,)
 
 
 @dataclass(frozen=True)
@@ -157,6 +171,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if option is type(None) and value is None:
             return None
         origin = typing.get_origin(option)
+        if origin is tuple and isinstance(value, str) and typing.get_args(option)[0] is str:
+            return (value,)  # one string where a list of strings is expected
         if origin is tuple and isinstance(value, list):
             item = typing.get_args(option)[0]
             if all(_is(v, item) for v in value):

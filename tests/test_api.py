@@ -4,6 +4,7 @@ with map and filter, one engine across calls, checkpoint resume."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ def test_checkpoint_resumes_after_an_interruption(
     assert out["text"] == [expected[p] for p in PROMPTS]
     second = json.loads((tmp_path / "summary.json").read_text())
     assert second["resumed"] and second["rows_ok"] == 10 - first["rows_committed_total"]
-    with pytest.raises(BatchgenError, match="different spec"):
+    with pytest.raises(BatchgenError, match="max_new_tokens changed"):
         gen(table(), sampling={"max_new_tokens": 7}, checkpoint_dir=tmp_path, progress=False)
 
 
@@ -168,3 +169,102 @@ def test_module_level_generate(model_dir) -> None:
         progress=False,
     )
     assert out["num_generated_tokens"] == [3] and out["prompt"] == ["Hello there"]
+
+
+def test_iterable_dataset_is_read_once_and_joined_by_row(gen: Generator, expected) -> None:
+    """A source whose order changes on every read: each output stays with its own row."""
+    calls = [0]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        calls[0] += 1
+        order = list(range(10))
+        random.Random(calls[0]).shuffle(order)
+        for k in order:
+            yield {"prompt": PROMPTS[k], "k": k}
+
+    ds = datasets.IterableDataset.from_generator(rows)
+    out = list(gen(ds, sampling={"max_new_tokens": 6}, progress=False))
+    assert calls[0] == 1, "the input is read once"
+    assert sorted(r["k"] for r in out) == list(range(10))
+    assert all(r["text"] == expected[r["prompt"]] for r in out)
+
+
+def test_taking_a_few_rows_generates_about_that_many(model_dir, tmp_path: Path) -> None:
+    with Generator(model_dir("llama"), EngineConfig(device="cpu", max_num_seqs=64)) as g:
+        prompts = [f"Row {i} of many." for i in range(60)]
+        ds = datasets.Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+        out = g(ds, sampling={"max_new_tokens": 8}, checkpoint_dir=tmp_path, progress=False)
+        taken = list(out.take(2))
+        assert [r["prompt"] for r in taken] == prompts[:2]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["rows_committed_total"] <= 8, summary
+        assert not summary["complete"]
+        rest = list(out)  # the next pass resumes from the checkpoint
+        assert [r["prompt"] for r in rest] == prompts
+        assert [r["text"] for r in rest[:2]] == [r["text"] for r in taken]
+
+
+def test_a_changed_iterable_dataset_is_refused_on_resume(gen: Generator, tmp_path: Path) -> None:
+    ds = table().to_iterable_dataset()
+    list(gen(ds, sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False))
+    changed = datasets.Dataset.from_dict({"prompt": PROMPTS[::-1], "k": list(range(10))})
+    again = gen(
+        changed.to_iterable_dataset(),
+        sampling={"max_new_tokens": 4},
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
+    with pytest.raises(BatchgenError, match="input row 0 is not the row the checkpoint holds"):
+        list(again)
+
+
+def test_a_callers_model_is_left_as_it_was(model_dir) -> None:
+    """Generator(model) neither casts nor moves the model, and HF generate keeps working on it
+    while the generator is open and after it is closed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tokenizer("Hello there").input_ids])
+
+    def hf() -> list[int]:
+        kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+        return model.generate(ids, **kwargs)[0].tolist()
+
+    before = hf()
+    with Generator(model, EngineConfig(device="cpu"), tokenizer=tokenizer) as g:
+        out = g(table().select(range(2)), sampling={"max_new_tokens": 3}, progress=False)
+        assert out["num_generated_tokens"] == [3, 3] or set(out["finish_reason"]) <= {"stop"}
+        assert hf() == before
+    assert hf() == before
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "sdpa"
+    with pytest.raises(BatchgenError, match=r"passed in is torch.bfloat16|passed in is bfloat16"):
+        Generator(model, EngineConfig(device="cpu", dtype="float32"), tokenizer=tokenizer)
+
+
+def test_a_closed_engine_releases_its_memory_at_once(model_dir) -> None:
+    import gc
+    import weakref
+
+    from batchgen import Engine
+
+    config = EngineConfig(device="cpu", cpu_kv_cache_gib=0.05)
+    engine = Engine(model_dir("llama"), config)
+    list(engine.generate(["Hello"], SamplingParams(max_new_tokens=2)))
+    blocks = engine.num_blocks
+    cache = weakref.ref(engine.runner.kv_cache.keys[0])
+    model = weakref.ref(engine.model)
+    gc.collect()
+    gc.disable()  # no reference cycle may hold them: freed when close() returns
+    try:
+        engine.close()
+        assert cache() is None and model() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="closed"):
+        list(engine.generate(["Hello"]))
+    assert Engine(model_dir("llama"), config).num_blocks == blocks

@@ -198,3 +198,43 @@ def test_sampler_is_capturable_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager) and torch.allclose(captured_lp, eager_lp)
+
+
+def test_closed_engine_gives_back_its_memory_and_blocks(model_dir) -> None:
+    """close() frees the KV cache, graphs and their pool at once: a second engine in the same
+    process sizes the same cache, and device memory returns to where it was."""
+    path = model_dir("llama")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    config = EngineConfig(device="cuda", kv_cache_memory_fraction=0.3)
+    first = Engine(path, config)
+    list(first.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4)))
+    blocks = first.num_blocks
+    first.close()
+    left = torch.cuda.memory_allocated() - before
+    assert left < 64 * 2**20, f"{left / 2**20:.0f} MiB still allocated after close()"
+    second = Engine(path, config)
+    assert second.num_blocks == blocks
+    second.close()
+
+
+def test_a_callers_model_runs_under_graphs_and_keeps_its_attention(model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).cuda()
+    prompts = random_prompts(6, 3, 40, 1000, seed=5)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = Engine(model, EngineConfig(num_kv_blocks=1024))
+    assert engine.runner.graphs is not None and engine.dtype == torch.bfloat16
+    got = tokens(engine, prompts, params)
+    engine.close()
+    own = cuda_engine(path, dtype="bfloat16")
+    assert tokens(own, prompts, params) == got
+    own.close()
+    assert model.config._attn_implementation == "sdpa" and model.dtype == torch.bfloat16
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]], device="cuda"), max_new_tokens=3, pad_token_id=0)

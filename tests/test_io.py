@@ -14,16 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import BatchgenError
-from batchgen.io import (
-    InputConfig,
-    OutputConfig,
-    RawRow,
-    ShardWriter,
-    committed_indexes,
-    open_input,
-    remove_temp_files,
-    write_final,
-)
+from batchgen.io import InputConfig, OutputConfig, OutputLayout, RawRow, ShardWriter, open_input
+from batchgen.io.checkpoint import remove_temp_files, scan_committed
+from batchgen.io.final import write_final
+from batchgen.io.output_schema import BASE
 
 
 def read_all(path: Path | str, columns: list[str] | None = None, **config: Any) -> list[RawRow]:
@@ -254,72 +248,128 @@ def rows(indexes: list[int], **extra: Any) -> list[dict[str, Any]]:
     return [{"index": i, "id": f"r{i}", "text": f"t{i}", **extra} for i in indexes]
 
 
+def make_writer(
+    out: Path, fmt: str, shard_rows: int = 10_000, seconds: float = 3600, extra: tuple = ()
+) -> ShardWriter:
+    columns = {**BASE, **dict.fromkeys(extra)}  # extra: pass-through columns, types inferred
+    return ShardWriter(OutputLayout(out), fmt, columns, shard_rows, seconds)
+
+
+def committed(out: Path) -> set[int]:
+    notes: list[str] = []
+    found = scan_committed(OutputLayout(out), notes.append)
+    assert not notes, notes
+    return found.indexes
+
+
 def shard_files(out: Path) -> list[Path]:
     return sorted((out / "shards").iterdir())
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_commit_is_atomic_and_leaves_no_temp_file(tmp_path: Path, fmt: str) -> None:
-    writer = ShardWriter(tmp_path, fmt, shard_rows=3, shard_seconds=3600)
+    writer = make_writer(tmp_path, fmt, shard_rows=3)
     for row in rows([0, 1, 2, 3]):
-        writer.add(row)  # the third row commits a shard
+        writer.add_group([row])  # the third row commits a shard
     files = shard_files(tmp_path)
-    assert len(files) == 1 and files[0].name.startswith("part-") and writer.rows_committed == 3
-    assert files[0].name.endswith(f"-000000.{fmt}")
+    assert len(files) == 1 and files[0].name.startswith("part-")
+    assert files[0].name.endswith(f"-000000-n3.{fmt}")  # the name says how many rows it holds
     assert writer.commit() == 1 and writer.commit() == 0
     assert not [p for p in shard_files(tmp_path) if p.name.startswith(".tmp-")]
-    assert committed_indexes(tmp_path) == {0, 1, 2, 3}
+    assert committed(tmp_path) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_every_shard_has_the_same_columns_and_types(tmp_path: Path, fmt: str) -> None:
+    """An error column is a string column also when no row of the shard failed."""
+    writer = make_writer(tmp_path, fmt, shard_rows=1)
+    writer.add_group([{"index": 0, "id": "a", "text": "ok", "error": None}])
+    writer.add_group([{"index": 1, "id": "b", "text": None, "error": "bad row"}])
+    first, second = shard_files(tmp_path)
+    if fmt == "parquet":
+        schemas = [pq.read_schema(p) for p in (first, second)]
+        assert schemas[0] == schemas[1] and schemas[0].field("error").type == pa.string()
+        pa.concat_tables([pq.read_table(first), pq.read_table(second)])
+    else:
+        keys = [list(json.loads(p.read_text())) for p in (first, second)]
+        assert keys[0] == keys[1] == list(BASE)
 
 
 def test_time_limit_commits(tmp_path: Path) -> None:
-    writer = ShardWriter(tmp_path, "parquet", shard_rows=100, shard_seconds=0.2)
-    writer.add(rows([0])[0])
+    writer = make_writer(tmp_path, "parquet", shard_rows=100, seconds=0.2)
+    writer.add_group(rows([0]))
     writer.maybe_commit()
-    assert writer.rows_committed == 0 and shard_files(tmp_path) == []
+    assert shard_files(tmp_path) == []
     time.sleep(0.25)
     writer.maybe_commit()
-    assert writer.rows_committed == 1 and len(shard_files(tmp_path)) == 1
+    assert len(shard_files(tmp_path)) == 1
 
 
 def test_committed_indexes_across_writers_and_crash_leftovers(tmp_path: Path) -> None:
     for fmt, batch in (("parquet", [5, 1, 3]), ("jsonl", [0, 2])):
-        writer = ShardWriter(tmp_path, fmt, shard_rows=2, shard_seconds=3600)
+        writer = make_writer(tmp_path, fmt, shard_rows=2)
         for row in rows(batch):
-            writer.add(row)
+            writer.add_group([row])
         writer.commit()
     # a writer killed mid-shard leaves a temp file with garbage: never read, then removed
     (tmp_path / "shards" / ".tmp-123-part-x-000000.parquet").write_bytes(b"PAR1 garbage")
     (tmp_path / ".tmp-123-results.parquet").write_bytes(b"half a file")
-    assert committed_indexes(tmp_path) == {0, 1, 2, 3, 5}
-    assert remove_temp_files(tmp_path) == 2
+    assert committed(tmp_path) == {0, 1, 2, 3, 5}
+    assert remove_temp_files(OutputLayout(tmp_path)) == 2
     assert not list(tmp_path.rglob(".tmp-*"))
-    assert committed_indexes(tmp_path) == {0, 1, 2, 3, 5}
+    assert committed(tmp_path) == {0, 1, 2, 3, 5}
 
 
-def test_duplicate_index_is_a_bug(tmp_path: Path) -> None:
-    writer = ShardWriter(tmp_path, "jsonl", shard_rows=10, shard_seconds=3600)
-    for row in rows([1, 2]):
-        writer.add(row)
+def test_an_index_in_two_shards_is_an_error_naming_both(tmp_path: Path) -> None:
+    writer = make_writer(tmp_path, "jsonl")
+    writer.add_group(rows([1]))
+    writer.add_group(rows([2]))
     writer.commit()
-    writer.add(rows([2])[0])
+    writer.add_group(rows([2]))
     writer.commit()
-    with pytest.raises(RuntimeError, match="index 2"):
-        committed_indexes(tmp_path)
-    with pytest.raises(RuntimeError, match="index 2"):
-        write_final(tmp_path, "jsonl", tmp_path / "out.jsonl")
+    with pytest.raises(BatchgenError, match=r"row 2 \(sample 0\) is committed in two shards"):
+        committed(tmp_path)
+    with pytest.raises(BatchgenError, match=r"row 2 \(sample 0\) is committed twice"):
+        write_final(OutputLayout(tmp_path), "jsonl", tmp_path / "out.jsonl")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "cut_at_a_line", "empty"])
+def test_a_damaged_shard_is_moved_aside_and_its_rows_are_not_committed(
+    tmp_path: Path, fmt: str, damage: str
+) -> None:
+    writer = make_writer(tmp_path, fmt, shard_rows=3)
+    for row in rows(list(range(6))):
+        writer.add_group([row])
+    _, second = shard_files(tmp_path)
+    data = second.read_bytes()
+    if damage == "truncate":
+        second.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        second.write_bytes(b"\x00garbage" * 20)
+    elif damage == "cut_at_a_line":  # whole lines, one row missing
+        second.write_bytes(
+            data[: data.rindex(b"\n", 0, len(data) - 1) + 1] if fmt == "jsonl" else b""
+        )
+    else:
+        second.write_bytes(b"")
+    notes: list[str] = []
+    found = scan_committed(OutputLayout(tmp_path), notes.append)
+    assert found.indexes == {0, 1, 2} and found.damaged == [second.name]
+    assert len(notes) == 1 and second.name in notes[0] and "generated again" in notes[0]
+    assert (tmp_path / "damaged" / second.name).exists() and not second.exists()
 
 
 def test_add_rejects_rows_without_index_and_id(tmp_path: Path) -> None:
-    writer = ShardWriter(tmp_path, "jsonl", shard_rows=10, shard_seconds=3600)
+    writer = make_writer(tmp_path, "jsonl")
     with pytest.raises(TypeError):
-        writer.add({"id": "a"})
+        writer.add_group([{"id": "a"}])
 
 
-def write_shards(out: Path, fmt: str, shards: list[list[dict[str, Any]]]) -> None:
-    writer = ShardWriter(out, fmt, shard_rows=10_000, shard_seconds=3600)
+def write_shards(out: Path, fmt: str, shards: list[list[dict[str, Any]]], extra=()) -> None:
+    writer = make_writer(out, fmt, extra=extra)
     for shard in shards:
-        for row in shard:
-            writer.add(row)
+        writer.add_group(shard)
         writer.commit()
 
 
@@ -335,36 +385,38 @@ def test_write_final_orders_overlapping_shards(tmp_path: Path, fmt: str) -> None
     shards = [[0, 2, 1, 4], [3, 6, 5, 17], [8, 7, 9, 10, 12], [11, 13, 14, 15, 16]]
     write_shards(tmp_path, fmt, [rows(s) for s in shards])
     final = tmp_path / f"results.{fmt}"
-    assert write_final(tmp_path, fmt, final, window_rows=4) == 18
+    assert write_final(OutputLayout(tmp_path), fmt, final, window_rows=4) == 18
     got = read_final(final, fmt)
     assert [r["index"] for r in got] == list(range(18))
-    assert got[5] == {"index": 5, "id": "r5", "text": "t5"}
+    assert got[5] == {**dict.fromkeys(BASE), "index": 5, "id": "r5", "text": "t5"}
     assert not list(tmp_path.glob(".tmp-*"))
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_write_final_with_no_shards(tmp_path: Path, fmt: str) -> None:
     final = tmp_path / f"results.{fmt}"
-    assert write_final(tmp_path, fmt, final) == 0 and final.exists()
+    assert write_final(OutputLayout(tmp_path), fmt, final) == 0 and final.exists()
 
 
 def test_pass_through_columns_of_varying_types(tmp_path: Path) -> None:
+    extra = ("meta", "score", "tag", "extra")
     shards = [
         # within one shard: int and str in "meta" cannot share an Arrow type -> text
         [
             {"index": 0, "id": "a", "meta": 1, "score": 1, "tag": None},
             {"index": 1, "id": "b", "meta": "x", "score": 2, "tag": None},
         ],
-        # across shards: score int -> float promotes; tag null -> str; extra only here
+        # across shards: score int -> float promotes; tag null -> str
         [{"index": 2, "id": "c", "meta": 3, "score": 2.5, "tag": "t", "extra": [1, 2]}],
         [{"index": 3, "id": "d", "meta": {"k": 1}, "score": 4, "tag": None}],
     ]
-    write_shards(tmp_path, "parquet", shards)
+    write_shards(tmp_path, "parquet", shards, extra=extra)
     final = tmp_path / "results.parquet"
-    assert write_final(tmp_path, "parquet", final, window_rows=2) == 4
+    assert write_final(OutputLayout(tmp_path), "parquet", final, window_rows=2) == 4
     table = pq.read_table(final)
     assert table.schema.field("score").type == pa.float64()
     assert table.schema.field("meta").type == pa.string()
+    assert table.schema.field("error").type == pa.string()
     assert table.column("meta").to_pylist() == ["1", "x", "3", '{"k": 1}']
     assert table.column("score").to_pylist() == [1.0, 2.0, 2.5, 4.0]
     assert table.column("tag").to_pylist() == [None, None, "t", None]
@@ -388,15 +440,15 @@ def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) ->
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    writer = ShardWriter(tmp_path, "parquet", shard_rows=5, shard_seconds=3600)
+    writer = make_writer(tmp_path, "parquet", shard_rows=5)
     for row in rows(list(range(5))):
-        writer.add(row)
+        writer.add_group([row])
     assert len(seen) == 1 and seen[0][1] == 5 and seen[0][0].startswith("part-")
 
 
 def test_failed_commit_keeps_rows_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
-    writer = ShardWriter(tmp_path, "parquet", shard_rows=100, shard_seconds=3600)
-    writer.add(rows([0])[0])
+    writer = make_writer(tmp_path, "parquet", shard_rows=100)
+    writer.add_group(rows([0]))
 
     def boom(src: Any, dst: Any) -> None:
         raise OSError("disk full")
@@ -406,22 +458,22 @@ def test_failed_commit_keeps_rows_and_leaves_nothing(tmp_path: Path, monkeypatch
         writer.commit()
     monkeypatch.undo()
     assert list((tmp_path / "shards").iterdir()) == []
-    assert writer.commit() == 1 and committed_indexes(tmp_path) == {0}
+    assert writer.commit() == 1 and committed(tmp_path) == {0}
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_samples_of_one_index_stay_together_and_ordered(tmp_path: Path, fmt: str) -> None:
-    writer = ShardWriter(tmp_path, fmt, shard_rows=3, shard_seconds=3600)
+    writer = make_writer(tmp_path, fmt, shard_rows=3)
     group = [{"index": 1, "id": "a", "sample_index": s, "text": f"s{s}"} for s in (2, 0, 1)]
-    writer.add({"index": 2, "id": "b", "sample_index": 0, "text": "x"})
+    writer.add_group([{"index": 2, "id": "b", "sample_index": 0, "text": "x"}])
     writer.add_group(group)  # would straddle the 3-row limit: stays in one shard
-    writer.add({"index": 0, "id": "c", "sample_index": 0, "text": "y"})
+    writer.add_group([{"index": 0, "id": "c", "sample_index": 0, "text": "y"}])
     writer.commit()
-    assert committed_indexes(tmp_path) == {0, 1, 2}
+    assert committed(tmp_path) == {0, 1, 2}
     shards = sorted((tmp_path / "shards").glob("part-*"))
     assert len(shards) == 2
     out = tmp_path / f"final.{fmt}"
-    assert write_final(tmp_path, fmt, out) == 5
+    assert write_final(OutputLayout(tmp_path), fmt, out) == 5
     if fmt == "jsonl":
         got = [json.loads(x) for x in out.read_text().splitlines()]
     else:

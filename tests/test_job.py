@@ -224,7 +224,7 @@ def test_resume_with_a_changed_spec_is_refused(model_dir, tmp_path: Path) -> Non
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}, {"prompt": "there"}])
     out = tmp_path / "out"
     assert run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3")).complete
-    with pytest.raises(BatchgenError, match=r"different spec \(sampling.temperature: 0.0 -> 0.5"):
+    with pytest.raises(BatchgenError, match=r"sampling.temperature changed \(0.0 -> 0.5\)"):
         run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3", "sampling.temperature=0.5"))
     again = run_job(
         spec_for(model, inp, out, "sampling.max_new_tokens=3", "runtime.max_num_seqs=4")
@@ -255,3 +255,29 @@ def test_spec_errors_name_the_key(tmp_path: Path) -> None:
     job.write_text('[input]\npath = "a.jsonl"\n[output]\ndir = "o"\n[runtime]\nmax_num_seqs = 8\n')
     spec = load_spec(job, ["runtime.max_num_seqs=4", "prompt.passthrough=['a', 'b']"])
     assert spec.engine.max_num_seqs == 4 and spec.prompt.passthrough == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "out"),
+    [("d/**/*.jsonl", "d/out"), ("d", "d/out"), ("d/*/*.jsonl", "d/out"), ("d/sub/*", "d/sub")],
+)
+def test_an_output_directory_the_input_would_read_is_refused(
+    tmp_path: Path, monkeypatch, pattern: str, out: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    write_jsonl(tmp_path / "d" / "sub" / "a.jsonl", [{"prompt": "hi"}])
+    spec = spec_for(Path("no-model-needed"), Path(pattern), Path(out))
+    with pytest.raises(BatchgenError, match="would read its own results as input"):
+        run_job(spec)
+    assert not (tmp_path / out / "job.json").exists()
+
+
+def test_an_output_directory_beside_the_input_is_fine(tmp_path: Path, monkeypatch) -> None:
+    from batchgen.job import check_job
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"prompt": "hi"}])
+    for pattern, out in (("d/*.jsonl", "d/out"), ("d", "d/_out"), ("d/a.jsonl", "o")):
+        check_job(spec_for(Path("m"), Path(pattern), Path(out)))

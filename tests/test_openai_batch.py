@@ -81,14 +81,16 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
             request("t1", COMPLETIONS, max_tokens=6, logprobs=1, stop="zzz"),
         ],
     )
-    result = run(model, inp, tmp_path / "out", "sampling.ignore_eos=true", "output.format='jsonl'")
+    sets = ("sampling.ignore_eos=true", "output.format='jsonl'")
+    names = "model.served_model_name=['served', 'm-1']"
+    result = run(model, inp, tmp_path / "out", *sets, names)
     assert result.complete and result.summary["error_file"].endswith("errors.jsonl")
     lines = read_lines(tmp_path / "out" / "results.jsonl")
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
     assert [x.custom_id for x in lines] == ["c1", "c2", "c3", "t1"]
     assert all(x.error is None and x.response.status_code == 200 for x in lines)
     c1, c2, c3, t1 = (x.response.body for x in lines)
-    assert isinstance(c1, ChatCompletion) and c1.model == "m-1" and c3.model == str(model)
+    assert isinstance(c1, ChatCompletion) and c1.model == "m-1" and c3.model == "served"
     assert [c.index for c in c1.choices] == [0, 1] and c1.usage.completion_tokens == 10
     assert c1.usage.total_tokens == c1.usage.prompt_tokens + 10
     assert c2.usage.completion_tokens == 4 and c3.usage.completion_tokens == 256
@@ -101,6 +103,31 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
     engine = Engine(model, EngineConfig(device="cpu"))
     (ref,) = engine.generate(["Once upon a time t1"], SamplingParams(max_new_tokens=6))
     assert t1.choices[0].text == ref.text  # prompt as text, max_tokens -> max_new_tokens
+
+
+def test_a_line_for_another_model_is_an_error_line(model: Path, tmp_path: Path) -> None:
+    """Like vLLM's 404: a body.model that is neither the loaded model nor a declared name is
+    not answered by the loaded model under that name."""
+    rows = [
+        request("mine", model=str(model), max_tokens=2),
+        request("other", model="gpt-4o-mini", max_tokens=2),
+        request("none", max_tokens=2),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(model, inp, tmp_path / "out").complete
+    ok = read_lines(tmp_path / "out" / "results.jsonl")
+    errors = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert [x.custom_id for x in ok] == ["mine", "none"]
+    assert [x.response.body.model for x in ok] == [str(model), str(model)]
+    assert [(x.custom_id, x.error.code, x.error.param) for x in errors] == [
+        ("other", "model_not_found", "model")
+    ]
+    assert "gpt-4o-mini" in errors[0].error.message
+    aliased = run(model, inp, tmp_path / "aliased", "model.served_model_name='gpt-4o-mini'")
+    assert aliased.complete
+    ok = read_lines(tmp_path / "aliased" / "results.jsonl")
+    assert [x.custom_id for x in ok] == ["other", "none"]  # only declared names are served
+    assert [x.response.body.model for x in ok] == ["gpt-4o-mini", "gpt-4o-mini"]
 
 
 def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ their forward **kwargs as `batchgen_meta`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Protocol
@@ -291,3 +293,29 @@ def batchgen_attention(
 def register() -> None:
     """Make attn_implementation="batchgen" available to every transformers model."""
     AttentionInterface.register(ATTENTION_NAME, batchgen_attention)
+
+
+@contextlib.contextmanager
+def attention_scope(model: torch.nn.Module) -> Iterator[None]:
+    """Route a caller's model through batchgen's attention for one forward pass, then give it
+    back its own implementation (on the model's config and every sub-config)."""
+    configs = _configs(model.config)
+    previous = [c._attn_implementation_internal for c in configs]
+    for config in configs:
+        config._attn_implementation_internal = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, previous, strict=True):
+            config._attn_implementation_internal = value
+
+
+def _configs(config: Any) -> list[Any]:
+    out, todo = [], [config]
+    while todo:
+        current = todo.pop()
+        if current is None or any(current is c for c in out):
+            continue
+        out.append(current)
+        todo.extend(getattr(current, key, None) for key in getattr(current, "sub_configs", {}))
+    return out

@@ -15,7 +15,9 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.model_loader import (
+    adopt_model,
     eos_token_ids,
     load_model,
     load_tokenizer,
@@ -33,6 +35,15 @@ from batchgen.engine.transfer import StepOutput, wait_tokens
 PromptLike = str | list[int] | Prompt
 
 
+class _NotReady:
+    def __repr__(self) -> str:
+        return "NOT_READY"
+
+
+NOT_READY = _NotReady()  # a prompt source's "nothing yet, but not exhausted"
+_END = object()
+
+
 class Engine:
     """A continuous-batching engine over one Hugging Face decoder-only model.
 
@@ -47,12 +58,20 @@ class Engine:
         tokenizer: Any = None,
     ) -> None:
         self.config = config or EngineConfig()
-        self.device = resolve_device(self.config)
-        self.dtype = resolve_dtype(self.config, self.device)
-        self.model = load_model(model, self.device, self.dtype)
-        if tokenizer is None and not isinstance(model, PreTrainedModel):
-            tokenizer = load_tokenizer(model)
+        adopted = isinstance(model, PreTrainedModel)
+        if adopted:  # the caller's model: used as it is, given back unchanged by close()
+            self.device, self.dtype = adopt_model(model, self.config)
+            self.model = model
+        else:
+            self.device = resolve_device(self.config)
+            self.dtype = resolve_dtype(self.config, self.device)
+            self.model = load_model(model, self.device, self.dtype)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
+        # what decides outputs besides the settings (checked when a job resumes)
+        self.fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids)
         self.shape = model_shape(self.model)
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
@@ -60,7 +79,13 @@ class Engine:
             self.config, self.shape, self.dtype, self.device, self.max_model_len
         )
         self.runner = ModelRunner(
-            self.model, self.config, self.device, self.dtype, self.num_blocks, self.max_model_len
+            self.model,
+            self.config,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            self.max_model_len,
+            adopted=adopted,
         )
         self.blocks = BlockManager(self.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(
@@ -69,7 +94,7 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.config.enable_chunked_prefill,
         )
-        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
+        self._owns_model = not adopted
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
 
@@ -86,27 +111,34 @@ class Engine:
         """Yield each request's result as it finishes (not in input order).
 
         Prompts are pulled from the iterable only as the engine has room, so a caller can
-        stream any number of them. A bad prompt yields an error result; the rest go on.
+        stream any number of them. A source that has nothing ready yet yields NOT_READY: the
+        engine goes on with what it runs and asks again after the step (when it runs nothing,
+        at once: such a source should wait a little before answering NOT_READY again).
+        A bad prompt yields an error result; the rest go on.
         Once `stop` is set, the step in flight is finished and its results yielded; requests
         still running are dropped (their prompts yield nothing).
         """
         params = params or SamplingParams()
-        source = iter(enumerate(prompts))
+        source = iter(prompts)
+        position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
         try:
             while True:
                 while not exhausted and len(self.scheduler.waiting) < self.config.max_num_seqs:
-                    item = next(source, None)
-                    if item is None:
+                    item = next(source, _END)
+                    if item is _END:
                         exhausted = True
                         break
-                    rejected = self.add_request(item[1], params, default_id=str(item[0]))
+                    if item is NOT_READY:
+                        break
+                    rejected = self.add_request(item, params, default_id=str(position))
+                    position += 1
                     if rejected is not None:
                         yield rejected
                 if not self.has_unfinished():
                     if exhausted:
                         return
-                    continue
+                    continue  # nothing to run: ask the source again (it may wait meanwhile)
                 stopping = stop is not None and stop.is_set()
                 for out in self.drain() if stopping else self.step():
                     yield self._with_text(out) if decode else out
@@ -119,6 +151,7 @@ class Engine:
         self, prompt: PromptLike, params: SamplingParams, default_id: str
     ) -> RequestOutput | None:
         """Queue one prompt; -> an error result instead if it cannot run."""
+        self._check_open()
         if not isinstance(prompt, Prompt):
             prompt = Prompt(prompt)
         request_id = default_id if prompt.request_id is None else str(prompt.request_id)
@@ -139,6 +172,10 @@ class Engine:
         self.scheduler.add_samples(samples[0], samples[1:])
         return None
 
+    def _check_open(self) -> None:
+        if self.runner is None:
+            raise RuntimeError("this engine is closed: create a new one")
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
@@ -155,9 +192,24 @@ class Engine:
         return self._postprocess(*previous) if previous is not None else []
 
     def close(self) -> None:
-        """Drop queued work and give a caller-owned model its own modules back."""
+        """Drop queued work, give a caller's model back unchanged, and release the device
+        memory now: the KV cache, graphs and buffers, and the model this engine loaded."""
+        if self.runner is None:
+            return
         self.abort_all()
         self.runner.close()
+        self.runner = None
+        if self._owns_model:
+            self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def drain(self) -> list[RequestOutput]:
         """Post-process the step in flight, launching nothing new."""
@@ -242,7 +294,8 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
-        seed = params.seed if params.seed is not None else self._derived_seed(request_id)
+        key = request_id if prompt.seed_key is None else str(prompt.seed_key)
+        seed = params.seed if params.seed is not None else self._derived_seed(key)
         return Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
 
     def _prompt_ids(self, prompt: object) -> list[int]:
@@ -265,8 +318,10 @@ class Engine:
             )
         return list(prompt)
 
-    def _derived_seed(self, request_id: str) -> int:
-        digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=8)
+    def _derived_seed(self, key: str) -> int:
+        digest = hashlib.blake2b(
+            f"{self.config.seed}:{key}".encode("utf-8", "surrogatepass"), digest_size=8
+        )
         return int.from_bytes(digest.digest(), "little") >> 1
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:

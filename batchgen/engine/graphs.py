@@ -40,6 +40,14 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.report = self._capture_all()
 
+    def close(self) -> None:
+        """Release the graphs and their memory pool now (not at the next garbage collection)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.static = None
+        self.runner = None
+
     def padded_size(self, batch: Batch) -> int:
         """The graph size this step replays at, or 0 to run it eagerly."""
         b = len(batch.chunks)

@@ -62,29 +62,57 @@ def resolve_model_path(model: str | Path) -> str:
     return text
 
 
-def load_model(
-    model: str | Path | PreTrainedModel, device: torch.device, dtype: torch.dtype
-) -> PreTrainedModel:
+def adopt_model(model: PreTrainedModel, config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype for a model the caller loaded; it is used as it is, never moved or
+    cast (the caller may go on using it). A setting that asks otherwise is an error."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = model.dtype
+    if config.device != "auto":
+        wanted = torch.device(config.device)
+        if wanted.type != device.type or (wanted.index is not None and wanted != device):
+            raise BatchgenError(
+                f"the model passed in is on {device} but device={config.device!r}: move it "
+                "first (model.to(...)) or use device='auto' to run where it is"
+            )
+    if config.dtype != "auto" and getattr(torch, config.dtype) != dtype:
+        raise BatchgenError(
+            f"the model passed in is {str(dtype).removeprefix('torch.')} but "
+            f"dtype={config.dtype!r}: convert it first (model.to(torch.{config.dtype})) or use "
+            "dtype='auto' to run it as it is"
+        )
+    register()
+    return device, dtype
+
+
+def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """Load a model folder, hub id or "default" with batchgen's attention."""
     register()
     try:
-        if isinstance(model, PreTrainedModel):
-            model.set_attn_implementation(ATTENTION_NAME)
-            return model.to(device=device, dtype=dtype).eval()
         source = resolve_model_path(model)
         try:
             loaded = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype, attn_implementation=ATTENTION_NAME
             )
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BatchgenError(f"could not load model '{model}': {first}") from exc
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # missing files, bad weights (safetensors, pickle), offline hub
+            raise BatchgenError(
+                f"could not load model '{model}' ({_first_line(exc)}): check the model folder "
+                "or hub id"
+            ) from exc
         return loaded.to(device).eval()
     except torch.OutOfMemoryError as exc:
         free = _free_gib(device)
         raise BatchgenError(
-            f"model '{getattr(model, 'name_or_path', model)}' does not fit on {device} in "
+            f"model '{model}' does not fit on {device} in "
             f"{dtype} ({free} free): use a smaller model, another dtype or a larger device"
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def _free_gib(device: torch.device) -> str:
@@ -105,8 +133,10 @@ def load_tokenizer(model: str | Path | PreTrainedModel) -> Any:
         return None
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as exc:
-        raise BatchgenError(f"could not load a tokenizer for '{source}': {exc}") from exc
+    except Exception as exc:  # missing or damaged tokenizer files
+        raise BatchgenError(
+            f"could not load a tokenizer for '{source}' ({_first_line(exc)}): check its files"
+        ) from exc
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:

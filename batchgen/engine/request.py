@@ -106,11 +106,16 @@ class Request:
 
 
 class Prompt(NamedTuple):
-    """One input to Engine.generate: text or token ids, an optional id and sampling overrides."""
+    """One input to Engine.generate: text or token ids, an optional id and sampling overrides.
+
+    seed_key: what a seed derived from the engine seed is keyed by (a job passes the row's id);
+    None = the request id.
+    """
 
     prompt: str | list[int]
     request_id: str | None = None
     sampling: SamplingParams | dict[str, Any] | None = None  # a dict overrides the call's params
+    seed_key: str | None = None
 
 
 class RequestOutput(NamedTuple):

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from itertools import pairwise
 
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention import AttentionBackend, AttentionMetadata, KVCache, ReferenceBackend
+from batchgen.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    ReferenceBackend,
+    attention_scope,
+)
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
@@ -35,7 +42,6 @@ def plan_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
-    reserve_bytes: int = 0,
 ) -> int:
     """How many KV blocks to allocate; an error if not even one full-length request fits."""
     per_block = KVCache.bytes_per_block(
@@ -45,7 +51,9 @@ def plan_num_blocks(
         return config.num_kv_blocks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * config.kv_cache_memory_fraction) - reserve_bytes
+        # memory the caching allocator holds but no tensor uses is free for the cache too
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = int(free * config.kv_cache_memory_fraction)
     else:
         budget = int(config.cpu_kv_cache_gib * _GIB)
     num_blocks = max(0, budget // per_block)
@@ -103,6 +111,7 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         max_model_len: int,
+        adopted: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -139,6 +148,8 @@ class ModelRunner:
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] | None = None
         self.fused: list[torch.nn.Module] = []
         self.rope = contextlib.nullcontext
+        # a caller's model keeps its own attention outside batchgen's forward passes
+        self.scope = partial(attention_scope, model) if adopted else contextlib.nullcontext
         if config.fused_ops and device.type == "cuda" and isinstance(self.backend, _triton_type()):
             self.fused = fuse_modules(model)
             self.rope = RopeSwap(model).active
@@ -190,7 +201,7 @@ class ModelRunner:
         """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
         step = unpack_step(flat, host.layout)
         ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
-        with self.rope():
+        with self.rope(), self.scope():
             out = self.model(
                 input_ids=ids[None],
                 position_ids=step.positions[None],
@@ -201,10 +212,19 @@ class ModelRunner:
         return out.logits[0]
 
     def close(self) -> None:
-        """Give the model its own modules back and drop the graphs (the model may be reused)."""
+        """Give the model its own modules back and release every device buffer now: the KV
+        cache, graphs and their pool, block tables, relay, transfer buffers."""
         unfuse_modules(self.fused)
         self.fused = []
+        if self.graphs is not None:
+            self.graphs.close()
         self.graphs = None
+        self.kv_cache = None
+        self.penalties = None
+        self.block_tables = self.relay = None
+        self.transfer = None
+        self.sampler = None
+        self.backend = None
 
     def _metadata(self, host: HostStep, step) -> AttentionMetadata:
         bs = self.config.block_size

@@ -76,24 +76,31 @@ class PenaltyState:
 def filter_top_k_top_p_min_p(
     scaled: torch.Tensor, s: SamplingInputs, flags: SamplingFlags
 ) -> torch.Tensor:
-    """scaled: [S, V] float32 logits / temperature; filtered entries become -inf."""
+    """scaled: [S, V] float32 logits / temperature; filtered entries become the dtype's min.
+
+    As Hugging Face and vLLM define them: top_k keeps every token at least as likely as the
+    k-th; top_p keeps the smallest prefix of the most likely tokens whose mass reaches top_p
+    (a tie at the cut is broken by position, lower token ids dropped first); min_p drops tokens
+    less likely than min_p x the most likely one that is left. A row that asks for no filter
+    (top_k 0, top_p 1, min_p 0) comes back bit for bit, whatever its neighbours ask.
+    """
     neg_inf = torch.finfo(scaled.dtype).min
-    ordered, _ = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    ordered, order = scaled.sort(dim=-1, stable=True)  # ascending
     if flags.any_top_k:
-        k = torch.where(s.top_k > 0, s.top_k, scaled.shape[-1]).clamp(max=scaled.shape[-1])
-        kth = ordered.gather(1, (k - 1)[:, None])
+        k = torch.where(s.top_k > 0, s.top_k, vocab).clamp(max=vocab)
+        kth = ordered.gather(1, (vocab - k)[:, None])
         scaled = scaled.masked_fill(scaled < kth, neg_inf)
         ordered = ordered.masked_fill(ordered < kth, neg_inf)
     if flags.any_top_p_min_p:
-        probs = ordered.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        keep = before < s.top_p.float()[:, None]
-        keep[:, 0] = True
-        cut = ordered.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
-        scaled = scaled.masked_fill(scaled < cut, neg_inf)
+        mass = ordered.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and all less likely
+        threshold = (1.0 - s.top_p).float()[:, None]  # 1 - top_p in float64, as HF does
+        drop = (mass <= threshold) & (s.top_p < 1.0)[:, None]
+        drop[:, -1] = False  # the most likely token always stays
+        scaled = scaled.masked_fill(drop.scatter(1, order, drop), neg_inf)
         kept = scaled.softmax(dim=-1)  # renormalized over what top_k and top_p kept
         floor = kept.max(dim=-1, keepdim=True).values * s.min_p.float()[:, None]
-        scaled = scaled.masked_fill(kept < floor, neg_inf)
+        scaled = scaled.masked_fill((kept < floor) & (s.min_p > 0.0)[:, None], neg_inf)
     return scaled
 
 

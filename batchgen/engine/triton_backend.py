@@ -7,6 +7,7 @@ can import this module.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -75,14 +76,17 @@ class TritonBackend:
 
         self.kernels = kernels
         self.tuning = tuning or TritonTuning()
-        self._planned: AttentionMetadata | None = None  # kept alive so its id is not reused
+        # the step the plan is for, weakly: the metadata holds this backend, so a strong
+        # reference would be a cycle keeping the KV cache alive after the engine closes
+        self._planned: weakref.ref[AttentionMetadata] | None = None
         self._plan: TritonPlan | None = None
 
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
         """The step's plan, computed on the first layer and reused while meta is the same."""
-        if meta is not self._planned or self._plan is None:
+        planned = self._planned() if self._planned is not None else None
+        if meta is not planned or self._plan is None:
             self._plan = self._make_plan(meta)
-            self._planned = meta
+            self._planned = weakref.ref(meta)
         return self._plan
 
     def forward(

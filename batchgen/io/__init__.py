@@ -1,23 +1,16 @@
-"""Input readers and checkpointed output writers."""
+"""Input readers and checkpointed output: layout, atomic writes, shards, the final merge."""
 
+from batchgen.io.layout import OutputLayout
 from batchgen.io.readers import InputConfig, InputSource, RawRow, dataset_source, open_input
-from batchgen.io.writer import (
-    OutputConfig,
-    ShardWriter,
-    committed_indexes,
-    remove_temp_files,
-    write_final,
-)
+from batchgen.io.writer import OutputConfig, ShardWriter
 
 __all__ = [
     "InputConfig",
     "InputSource",
     "OutputConfig",
+    "OutputLayout",
     "RawRow",
     "ShardWriter",
-    "committed_indexes",
     "dataset_source",
     "open_input",
-    "remove_temp_files",
-    "write_final",
 ]

@@ -1,70 +1,328 @@
-"""The output directory's record of its job: which spec produced the committed shards.
+"""What makes an output directory a checkpoint: its manifest, its lock and its committed rows.
 
-Resuming is allowed only with the same model, input, prompt, sampling and output format (runtime
-settings may change: they do not change results). `force` accepts a changed spec on purpose.
+The manifest records the job's spec and its identity: every setting that can change a row's
+output, a fingerprint of the input and one of the model. Resuming is allowed only when the
+identity is unchanged; `force` (--force-resume) accepts a change on purpose. The lock keeps two
+runs from writing one directory at once. The committed rows are read from the shards; a shard
+that cannot be read whole is moved aside and its rows are generated again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from batchgen.errors import BatchgenError
+from batchgen.io.atomic import write_json_atomic
+from batchgen.io.layout import OutputLayout
+from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
 
-MANIFEST = "job.json"
-IDENTITY_SECTIONS = ("model", "input", "prompt", "sampling")
-IDENTITY_OUTPUT_KEYS = ("format", "include_token_ids")
+MANIFEST_VERSION = 2
+IDENTITY_PARTS = ("settings", "input", "model")
+Key = tuple[int, int]  # (input index, sample index)
 
 
-def identity(spec: dict[str, Any]) -> dict[str, Any]:
-    """The part of a resolved spec that decides what each output row holds."""
-    out = {name: spec[name] for name in IDENTITY_SECTIONS}
-    out["output"] = {k: spec["output"][k] for k in IDENTITY_OUTPUT_KEYS}
+# -- identity --------------------------------------------------------------------------------
+
+
+def identity_changes(
+    recorded: dict[str, Any], current: dict[str, Any], parts: tuple[str, ...]
+) -> list[str]:
+    """Human-readable differences between two identities, over the named parts."""
+    out: list[str] = []
+    for part in parts:
+        old, new = recorded.get(part), current.get(part)
+        if part == "settings":
+            for key in sorted(set(old or {}) | set(new or {})):
+                a, b = (old or {}).get(key), (new or {}).get(key)
+                if a != b:
+                    out.append(f"setting {key} changed ({a!r} -> {b!r})")
+        elif part == "input" and _content(old) != _content(new):
+            out.append(f"the input changed ({describe_input_change(old, new)})")
+        elif part == "model" and _content(old) != _content(new):
+            out.append(f"the model changed ({_model_change(old, new)})")
     return out
 
 
-def claim_output_dir(out_dir: Path, spec: dict[str, Any], force: bool) -> bool:
-    """Check out_dir may hold this job and record its spec; -> True when resuming."""
-    manifest = out_dir / MANIFEST
-    if manifest.is_file():
-        recorded = json.loads(manifest.read_text())
-        changes = _diff(identity(recorded["spec"]), identity(spec))
-        if changes and not force:
+def _content(fingerprint: dict[str, Any] | None) -> Any:
+    """What identifies an input or a model: file contents in read order, model digests; not
+    the names they are found under (a copy elsewhere is the same)."""
+    if fingerprint and fingerprint.get("kind") == "files":
+        return [(f["size"], f["sha256"]) for f in fingerprint["files"]]
+    if isinstance(fingerprint, dict):
+        return {k: v for k, v in fingerprint.items() if k != "name"}
+    return fingerprint
+
+
+def describe_input_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
+    if not old or not new or old.get("kind") != new.get("kind"):
+        return "another kind of input"
+    if old["kind"] != "files":
+        return "its fingerprint differs"
+    a, b = old["files"], new["files"]
+    for x, y in zip(a, b, strict=False):
+        if x["sha256"] != y["sha256"]:
+            if x["size"] != y["size"]:
+                return f"{y['name']!r}: {x['size']:,} -> {y['size']:,} bytes"
+            return f"{y['name']!r}: same size, other content"
+    if len(a) != len(b):
+        names = [f["name"] for f in (b[len(a) :] if len(b) > len(a) else a[len(b) :])]
+        verb = "added" if len(b) > len(a) else "gone"
+        return f"{len(names)} file(s) {verb}: {names[0]!r}{' ...' if len(names) > 1 else ''}"
+    return "its fingerprint differs"
+
+
+def _model_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
+    if not old or not new:
+        return "no fingerprint recorded"
+    what = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k != "name"]
+    return " and ".join(what) + " differ" if what else "its fingerprint differs"
+
+
+# -- manifest --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: dict[str, Any]
+    identity: dict[str, Any]
+
+
+def read_manifest(layout: OutputLayout) -> Manifest | None:
+    """The recorded manifest; None when there is none. BatchgenError when it is damaged."""
+    path = layout.manifest
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_bytes())
+        if not isinstance(data, dict) or not isinstance(data.get("spec"), dict):
+            raise ValueError("no spec")
+        identity = data.get("identity")
+        if data.get("version") != MANIFEST_VERSION or not isinstance(identity, dict):
+            raise ValueError("written by an older batchgen (no identity)")
+        if not all(part in identity for part in IDENTITY_PARTS):
+            raise ValueError("identity incomplete")
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise DamagedManifest(f"{path.name} cannot be used ({_reason(exc)})") from exc
+    return Manifest(data["spec"], identity)
+
+
+class DamagedManifest(BatchgenError):
+    """The manifest exists but cannot be read as one."""
+
+
+def write_manifest(
+    layout: OutputLayout, spec: dict[str, Any], identity: dict[str, Any], previous: Any = None
+) -> None:
+    data = {"version": MANIFEST_VERSION, "spec": spec, "identity": identity}
+    if previous is not None:
+        data["previous"] = previous
+    write_json_atomic(layout.manifest, data)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# -- lock ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DirectoryLock:
+    """An exclusive lock on an output directory, held from acquire() to release().
+
+    The lock file holds the owner's pid and host. On one host the kernel's advisory lock
+    (flock) decides: a lock file left by a dead process is stale and taken over. The directory
+    is created when missing, and removed again on release if this lock created it and nothing
+    was written into it.
+    """
+
+    layout: OutputLayout
+    _fd: int | None = None
+    _created: bool = False
+
+    def acquire(self) -> None:
+        out = self.layout.dir
+        if out.exists() and not out.is_dir():
+            raise BatchgenError(f"output directory '{out}' is a file: choose a directory path")
+        self._created = not out.exists()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
             raise BatchgenError(
-                f"output directory '{out_dir}' holds a job with a different spec ({changes[0]}"
-                f"{' and more' if len(changes) > 1 else ''}): use another output directory, or "
-                "--force-resume to continue it with the new spec"
+                f"cannot create output directory '{out}' ({_reason(exc)}): choose a writable path"
+            ) from exc
+        for _ in range(10):  # the file may be replaced between open and flock: try again
+            try:
+                fd = os.open(self.layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise BatchgenError(
+                    f"cannot write in output directory '{out}' ({_reason(exc)}): "
+                    "choose a writable directory"
+                ) from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise BatchgenError(
+                    f"output directory '{out}' is in use by another batchgen run ({owner}): "
+                    "wait for it to finish, or stop it; use another directory to run both"
+                ) from None
+            if _same_file(fd, self.layout.lock):
+                self._fd = fd
+                _write_owner(fd)
+                return
+            os.close(fd)
+        raise BatchgenError(f"could not lock output directory '{out}': try again")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.layout.lock.unlink()
+        os.close(self._fd)
+        self._fd = None
+        if self._created:
+            with contextlib.suppress(OSError):
+                self.layout.dir.rmdir()  # only when empty: nothing was written
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _write_owner(fd: int) -> None:
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text, 0)
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {owner['pid']} on {owner['host']}"
+    except (ValueError, KeyError, TypeError, OSError):
+        return "owner unknown"
+
+
+# -- committed rows --------------------------------------------------------------------------
+
+
+class DamagedShard(Exception):
+    """A committed shard that cannot be read whole."""
+
+
+@dataclass
+class Committed:
+    """What the committed shards hold."""
+
+    indexes: set[int] = field(default_factory=set)
+    hashes: dict[int, str] = field(default_factory=dict)  # index -> input row hash, if recorded
+    damaged: list[str] = field(default_factory=list)  # shards moved aside (their rows rerun)
+
+
+def read_shard_keys(path: Path) -> tuple[list[Key], list[str | None]]:
+    """(index, sample_index) and input hash of every row; DamagedShard if unreadable."""
+    try:
+        if path.suffix == ".parquet":
+            names = pq.read_schema(path).names
+            wanted = [c for c in (*KEY_COLUMNS, INPUT_HASH) if c in names]
+            table = pq.read_table(path, columns=wanted)
+            rows = table.to_pylist()
+        else:
+            with path.open("rb") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+                raise ValueError("the last line is cut short")
+        keys = [_key(row) for row in rows]
+    except (pa.ArrowException, OSError, ValueError, TypeError, KeyError) as exc:
+        raise DamagedShard(_reason(exc)) from exc
+    declared = OutputLayout.shard_rows(path)
+    if not keys or (declared is not None and declared != len(keys)):
+        raise DamagedShard(f"{len(keys)} rows where its name says {declared}")
+    return keys, [row.get(INPUT_HASH) for row in rows]
+
+
+def _key(row: Any) -> Key:
+    index, sample = row["index"], row.get("sample_index") or 0
+    if not isinstance(index, int) or not isinstance(sample, int) or index < 0 or sample < 0:
+        raise ValueError(f"bad key ({index!r}, {sample!r})")
+    return index, sample
+
+
+def scan_committed(layout: OutputLayout, note: Callable[[str], None]) -> Committed:
+    """Read every shard's keys. A damaged shard is moved to damaged/ (its rows rerun), with a
+    note; a key committed in two shards is an error naming both."""
+    committed = Committed()
+    where: dict[Key, str] = {}
+    for path in layout.shard_paths():
+        try:
+            keys, hashes = read_shard_keys(path)
+        except DamagedShard as exc:
+            _move_aside(layout, path)
+            committed.damaged.append(path.name)
+            note(
+                f"shard {path.name} is damaged ({exc}): moved to {layout.damaged.name}/; "
+                "its rows are generated again"
             )
-        write_json_atomic(
-            manifest, {"spec": spec, "previous": recorded.get("spec")} if changes else recorded
-        )
-        return True
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise BatchgenError(
-            f"output directory '{out_dir}' is not empty and holds no batchgen job: "
-            "choose a new or empty directory"
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(manifest, {"spec": spec})
-    return False
+            continue
+        for key, digest in zip(keys, hashes, strict=True):
+            if key in where:
+                raise BatchgenError(
+                    f"row {key[0]} (sample {key[1]}) is committed in two shards, {where[key]} and "
+                    f"{path.name}: remove the shard that does not belong to this job"
+                )
+            where[key] = path.name
+            committed.indexes.add(key[0])
+            if digest is not None:
+                committed.hashes[key[0]] = digest
+    return committed
 
 
-def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[str] = []
-        for key in sorted(set(old) | set(new)):
-            out += _diff(old.get(key), new.get(key), f"{prefix}{'.' if prefix else ''}{key}")
-        return out
-    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+def _move_aside(layout: OutputLayout, path: Path) -> None:
+    layout.damaged.mkdir(exist_ok=True)
+    shutil.move(str(path), layout.damaged / path.name)
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Atomic: a temp file, fsync, rename."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def remove_temp_files(layout: OutputLayout) -> int:
+    """Delete leftovers of killed writers; call only under the lock. Returns the count."""
+    temps = layout.temp_files()
+    for path in temps:
+        path.unlink(missing_ok=True)
+    return len(temps)
+
+
+def iter_shard_rows(path: Path) -> Iterator[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        for batch in pq.ParquetFile(path).iter_batches(1024):
+            yield from batch.to_pylist()
+        return
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

@@ -24,6 +24,9 @@ ID_COLUMN = "custom_id"
 SAMPLING_COLUMN = "sampling"
 # copied into every output row: what the final OpenAI lines need beyond the generation
 PASSTHROUGH = ("url", "model", "line", "error_code", "error_param")
+PASSTHROUGH_TYPES = {"url": "string", "model": "string", "line": "int64"} | dict.fromkeys(
+    ("error_code", "error_param"), "string"
+)  # Arrow type names of the pass-through columns
 COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, "error_message", *PASSTHROUGH)
 # body field -> SamplingParams field, where the meaning is the same
 SAMPLING_FIELDS = {
@@ -241,8 +244,14 @@ class RequestBuilder:
     completion prompts as text; a line that failed to parse becomes an error row."""
 
     def __init__(
-        self, config: PromptConfig, tokenizer: Any, max_prompt_tokens: int, max_new_tokens: int
+        self,
+        config: PromptConfig,
+        tokenizer: Any,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        served_names: tuple[str, ...],
     ) -> None:
+        self.served_names = served_names  # body.model must be one of these (or absent)
         common = {
             "id_column": ID_COLUMN,
             "sampling_column": SAMPLING_COLUMN,
@@ -255,6 +264,22 @@ class RequestBuilder:
         self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
+        model = values.get("model")
+        if (
+            values.get("error_code") is None
+            and model is not None
+            and model not in self.served_names
+        ):
+            values = {
+                **values,
+                "error_code": "model_not_found",
+                "error_param": "model",
+                "error_message": (
+                    f"the model {model!r} does not exist here: this job serves "
+                    f"{', '.join(map(repr, self.served_names))} (declare other names with "
+                    "model.served_model_name)"
+                ),
+            }
         if values.get("error_code") is not None:
             passthrough = {c: values.get(c) for c in PASSTHROUGH}
             row_id = values.get(ID_COLUMN) or ""

@@ -20,29 +20,31 @@ from typing import IO, Any
 
 import pyarrow.parquet as pq
 
+from batchgen.io.atomic import write_atomic
+from batchgen.io.final import write_final
+from batchgen.io.layout import OutputLayout, temp_path
 from batchgen.io.openai_batch import CHAT_URL
-from batchgen.io.writer import TEMP_PREFIX, _write_atomic, write_final
 
 Row = dict[str, Any]
 READ_BATCH_ROWS = 1024  # rows read at a time from the sorted intermediate file
 
 
 def write_openai_results(
-    out_dir: Path, shard_format: str, model: str, results: Path, errors: Path
+    layout: OutputLayout, shard_format: str, model: str, results: Path, errors: Path
 ) -> tuple[int, int]:
     """Write `results` and `errors` from the committed shards -> (ok lines, error lines).
 
     model: the name put in a response when the request's body gave none.
     """
-    sorted_rows = Path(out_dir) / f"{TEMP_PREFIX}sorted.{shard_format}"
-    write_final(out_dir, shard_format, sorted_rows)
+    sorted_rows = temp_path(layout.dir / f"sorted.{shard_format}")
+    write_final(layout, shard_format, sorted_rows)
     created = int(time.time())
 
     def fill(ok_file: IO[bytes], error_file: IO[bytes]) -> tuple[int, int]:
         return _emit(_groups(_read_rows(sorted_rows)), ok_file, error_file, model, created)
 
     try:  # both files atomically: errors first, then results
-        return _write_atomic(results, lambda ok: _write_atomic(errors, lambda bad: fill(ok, bad)))
+        return write_atomic(results, lambda ok: write_atomic(errors, lambda bad: fill(ok, bad)))
     finally:
         sorted_rows.unlink(missing_ok=True)
 

@@ -8,8 +8,12 @@ RawRow with `values=None` and an `error`, and the job goes on.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import glob
+import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError
 from batchgen.io.openai_batch import COLUMNS as OPENAI_COLUMNS
 from batchgen.io.openai_batch import OPENAI_BATCH, parse_request
+from batchgen.io.openai_batch import PASSTHROUGH_TYPES as OPENAI_TYPES
 
 FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
@@ -77,6 +82,9 @@ class RawRow(NamedTuple):
     error: str | None  # why not, e.g. "data.jsonl line 17: malformed JSON: ..."
 
 
+Fingerprint = dict[str, Any]  # identifies the input's content; see fingerprint_files
+
+
 @dataclass(frozen=True)
 class InputSource:
     """An opened input: what is known up front, and a way to stream its rows."""
@@ -86,6 +94,11 @@ class InputSource:
     description: str  # e.g. "3 parquet files under data/"
     batch_rows: int
     read_rows: RowReader = field(repr=False)
+    # the content's identity (computed on demand); None = the source has none up front, so
+    # a resume checks each committed row's hash instead
+    fingerprint: Callable[[], Fingerprint | None] = field(repr=False, default=lambda: None)
+    types: dict[str, pa.DataType] = field(default_factory=dict)  # declared column types
+    files: tuple[Path, ...] = ()  # local files the input reads
 
     def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
         """Stream lists of up to batch_rows rows in input order.
@@ -123,7 +136,56 @@ def dataset_source(ds: Any, batch_rows: int, description: str) -> InputSource:
     """An InputSource over an in-process datasets Dataset or IterableDataset."""
     num_rows = len(ds) if hasattr(ds, "__len__") else None
     reader = partial(_dataset_rows, ds, batch_rows, description)
-    return InputSource(ds.column_names, num_rows, description, batch_rows, reader)
+    return InputSource(
+        ds.column_names,
+        num_rows,
+        description,
+        batch_rows,
+        reader,
+        fingerprint=partial(_dataset_fingerprint, ds),
+        types=_dataset_types(ds),
+    )
+
+
+def _dataset_fingerprint(ds: Any) -> Fingerprint | None:
+    """A Dataset's own fingerprint (its data and every transform); an IterableDataset has
+    none (None: rows are checked one by one on resume)."""
+    value = getattr(ds, "_fingerprint", None)
+    return {"kind": "dataset", "fingerprint": value} if value else None
+
+
+def _dataset_types(ds: Any) -> dict[str, pa.DataType]:
+    features = getattr(ds, "features", None)
+    if features is None:
+        return {}
+    schema = features.arrow_schema
+    return {name: schema.field(name).type for name in schema.names}
+
+
+def fingerprint_files(
+    files: list[tuple[Path, str]], digests: list[str] | None = None
+) -> Fingerprint:
+    """Name (relative to the files' common folder), size and SHA-256 of every file, in read
+    order. digests: already computed SHA-256 values, in the same order."""
+    paths = [path.resolve() for path, _ in files]
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    entries = []
+    for i, path in enumerate(paths):
+        digest = digests[i] if digests is not None else _sha256(path)
+        size = path.stat().st_size
+        entries.append({"name": path.relative_to(root).as_posix(), "size": size, "sha256": digest})
+    return {"kind": "files", "files": entries}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(COUNT_CHUNK_BYTES):
+                h.update(chunk)
+    except OSError as exc:
+        raise BatchgenError(f"cannot read {str(path)!r} ({_reason(exc)}): check the file") from exc
+    return h.hexdigest()
 
 
 def _find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
@@ -194,6 +256,7 @@ def _project(values: Values, columns: list[str] | None) -> Values:
 
 def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
     columns: dict[str, None] = {}  # ordered union of the files' column names
+    types: dict[str, pa.DataType] = {}
     num_rows = 0
     for path, name in files:
         try:  # reads only the footer: catches non-parquet and truncated files up front
@@ -203,10 +266,22 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
                 f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
             ) from exc
         num_rows += meta.num_rows
-        columns.update(dict.fromkeys(meta.schema.to_arrow_schema().names))
+        schema = meta.schema.to_arrow_schema()
+        columns.update(dict.fromkeys(schema.names))
+        for f in schema:
+            types.setdefault(f.name, f.type)
     description = _describe(files, "parquet", config.path)
     reader = partial(_parquet_rows, files, config.batch_rows)
-    return InputSource(list(columns), num_rows, description, config.batch_rows, reader)
+    return InputSource(
+        list(columns),
+        num_rows,
+        description,
+        config.batch_rows,
+        reader,
+        fingerprint=functools.cache(partial(fingerprint_files, files)),
+        types=types,
+        files=tuple(path for path, _ in files),
+    )
 
 
 def _parquet_rows(
@@ -230,11 +305,31 @@ def _parquet_rows(
 
 
 def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
-    num_rows = sum(_scan_jsonl(path, name) for path, name in files)
+    scans = [_scan_jsonl(path, name) for path, name in files]
     columns = _sample_columns(files[0][0])
     description = _describe(files, "jsonl", config.path)
     reader = partial(_jsonl_rows, files)
-    return InputSource(columns, num_rows, description, config.batch_rows, reader)
+    return _jsonl_source(files, scans, columns, description, config, reader)
+
+
+def _jsonl_source(
+    files: list[tuple[Path, str]],
+    scans: list[tuple[int, str]],
+    columns: list[str],
+    description: str,
+    config: InputConfig,
+    reader: RowReader,
+) -> InputSource:
+    fingerprint = fingerprint_files(files, [digest for _, digest in scans])
+    return InputSource(
+        columns,
+        sum(rows for rows, _ in scans),
+        description,
+        config.batch_rows,
+        reader,
+        fingerprint=lambda: fingerprint,
+        files=tuple(path for path, _ in files),
+    )
 
 
 def _sample_columns(path: Path) -> list[str]:
@@ -251,9 +346,11 @@ def _sample_columns(path: Path) -> list[str]:
     return list(columns)
 
 
-def _scan_jsonl(path: Path, name: str) -> int:
-    """Count non-blank lines over binary chunks; reject a JSON document (array, pretty object)."""
+def _scan_jsonl(path: Path, name: str) -> tuple[int, str]:
+    """-> (non-blank lines, SHA-256 of the file), over binary chunks; reject a JSON document
+    (array, pretty object)."""
     rows = 0
+    digest = hashlib.sha256()
     partial_blank = True  # the unterminated line read so far is whitespace only
     try:
         with path.open("rb") as f:
@@ -264,6 +361,7 @@ def _scan_jsonl(path: Path, name: str) -> int:
                 )
             f.seek(0)
             while chunk := f.read(COUNT_CHUNK_BYTES):
+                digest.update(chunk)
                 first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
                 if first < 0:
                     partial_blank = partial_blank and not chunk.strip()
@@ -276,7 +374,7 @@ def _scan_jsonl(path: Path, name: str) -> int:
                 partial_blank = not chunk[last + 1 :].strip()
     except OSError as exc:
         raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
-    return rows + (not partial_blank)
+    return rows + (not partial_blank), digest.hexdigest()
 
 
 def _is_json_document(head: bytes) -> bool:
@@ -301,10 +399,12 @@ def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Ite
 
 
 def _open_openai_batch(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
-    num_rows = sum(_scan_jsonl(path, name) for path, name in files)
+    scans = [_scan_jsonl(path, name) for path, name in files]
     description = _describe(files, "OpenAI batch", config.path)
     reader = partial(_openai_batch_rows, files)
-    return InputSource(list(OPENAI_COLUMNS), num_rows, description, config.batch_rows, reader)
+    source = _jsonl_source(files, scans, list(OPENAI_COLUMNS), description, config, reader)
+    types = {name: pa.type_for_alias(alias) for name, alias in OPENAI_TYPES.items()}
+    return dataclasses.replace(source, types=types)
 
 
 def _openai_batch_rows(
@@ -363,9 +463,8 @@ def _open_saved(config: InputConfig) -> InputSource:
                 f"split {config.split!r} is not in {raw!r}: use one of {', '.join(ds)}"
             )
         ds, note = ds[config.split], f" (split {config.split})"
-    reader = partial(_dataset_rows, ds, config.batch_rows, f"saved dataset {raw!r}")
-    description = f"saved dataset {raw}{note}"
-    return InputSource(list(ds.column_names), len(ds), description, config.batch_rows, reader)
+    source = dataset_source(ds, config.batch_rows, f"saved dataset {raw!r}")
+    return dataclasses.replace(source, description=f"saved dataset {raw}{note}")
 
 
 def _open_hub(config: InputConfig) -> InputSource:

@@ -1,0 +1,47 @@
+"""The one atomic file write: a temporary file beside the target, fsync, rename, fsync the folder.
+
+A reader sees either the old file (or none) or the whole new one, after a kill at any instant.
+The temporary name starts with the layout's TEMP_PREFIX, so a resumed run can remove leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from batchgen.io.layout import temp_path
+
+Writer = Callable[[IO[bytes]], Any]  # fills an open binary file
+
+
+def write_atomic(path: Path, write: Writer) -> Any:
+    """write(f) into a temp file beside `path`, fsync, rename over `path`; -> write's result."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with tmp.open("wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return result
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False)
+    write_atomic(path, lambda f: f.write(text.encode("ascii") + b"\n"))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

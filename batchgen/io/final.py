@@ -1,0 +1,153 @@
+"""The final results file: every committed row, sorted by (index, sample index), written
+atomically. Memory holds one window of index values (plus one shard) at a time. Shard-only
+columns (the input hash) are left out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import IO, NamedTuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError
+from batchgen.io.atomic import write_atomic
+from batchgen.io.checkpoint import read_shard_keys
+from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
+from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
+from batchgen.io.writer import as_text
+
+FINAL_WINDOW_ROWS = 100_000  # write_final sorts this many index values at a time
+SAMPLE = KEY_COLUMNS[1]
+
+
+class _Span(NamedTuple):
+    path: Path
+    lo: int  # smallest index in the shard
+    hi: int  # largest index in the shard
+
+
+def write_final(
+    layout: OutputLayout,
+    format: str,
+    path: Path,
+    *,
+    window_rows: int = FINAL_WINDOW_ROWS,
+    keep: tuple[str, ...] = (),
+) -> int:
+    """Write every committed `format` shard's rows, sorted, to `path` -> the rows written.
+
+    keep: shard-only columns to keep (by default they are left out)."""
+    drop = () if INPUT_HASH in keep else (INPUT_HASH,)
+    if format not in OUTPUT_FORMATS:
+        raise ValueError(f"format={format!r} is not allowed: use {' or '.join(OUTPUT_FORMATS)}")
+    spans = []
+    for shard in layout.shard_paths(format):
+        indexes = [index for index, _ in read_shard_keys(shard)[0]]
+        spans.append(_Span(shard, min(indexes), max(indexes)))
+    if format == "parquet":
+        return write_atomic(Path(path), lambda f: _final_parquet(spans, window_rows, drop, f))
+    return write_atomic(Path(path), lambda f: _final_jsonl(spans, window_rows, drop, f))
+
+
+def _windows(spans: list[_Span], window_rows: int) -> Iterator[tuple[int, int, list[Path]]]:
+    """(start, end, shards holding an index in [start, end)) over the whole index range."""
+    if not spans:
+        return
+    lo, hi = min(s.lo for s in spans), max(s.hi for s in spans)
+    for start in range(lo, hi + 1, window_rows):
+        end = start + window_rows
+        hits = [s.path for s in spans if s.lo < end and s.hi >= start]
+        if hits:
+            yield start, end, hits
+
+
+def _final_jsonl(spans: list[_Span], window_rows: int, drop: tuple[str, ...], f: IO[bytes]) -> int:
+    written = 0
+    for start, end, hits in _windows(spans, window_rows):
+        lines: list[tuple[tuple[int, int], bytes]] = []
+        for shard in hits:
+            with shard.open("rb") as src:
+                for line in src:
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    key = (row["index"], row.get(SAMPLE) or 0)
+                    if start <= key[0] < end:
+                        if any(c in row for c in drop):
+                            row = {k: v for k, v in row.items() if k not in drop}
+                            line = json.dumps(row, ensure_ascii=False).encode("utf-8")
+                        lines.append((key, line.rstrip(b"\n") + b"\n"))
+        lines.sort(key=lambda item: item[0])
+        _check_unique([key for key, _ in lines])
+        f.writelines(line for _, line in lines)
+        written += len(lines)
+    return written
+
+
+def _final_parquet(
+    spans: list[_Span], window_rows: int, drop: tuple[str, ...], f: IO[bytes]
+) -> int:
+    schema, text_columns = _unified_schema([s.path for s in spans], drop)
+    written = 0
+    with pq.ParquetWriter(f, schema) as out:
+        for start, end, hits in _windows(spans, window_rows):
+            pieces = []
+            for shard in hits:
+                table = pq.read_table(shard)
+                index = table.column("index")
+                keep = pc.and_(pc.greater_equal(index, start), pc.less(index, end))
+                pieces.append(_conform(table.filter(keep), schema, text_columns))
+            window = pa.concat_tables(pieces)
+            keys = [c for c in KEY_COLUMNS if c in window.column_names]
+            window = window.sort_by([(c, "ascending") for c in keys])
+            samples = window.column(SAMPLE).to_pylist() if SAMPLE in keys else [0] * window.num_rows
+            _check_unique(list(zip(window.column("index").to_pylist(), samples, strict=True)))
+            if window.num_rows:
+                out.write_table(window)
+            written += window.num_rows
+    return written
+
+
+def _unified_schema(paths: list[Path], drop: tuple[str, ...]) -> tuple[pa.Schema, set[str]]:
+    """One schema for all shards: types promoted where Arrow can; else the column is text."""
+    schemas = [pq.read_schema(p) for p in paths]
+    names = dict.fromkeys(n for schema in schemas for n in schema.names if n not in drop)
+    fields, text_columns = [], set()
+    for name in names:
+        types = {s.field(name).type for s in schemas if name in s.names}
+        try:
+            parts = [pa.schema([(name, t)]) for t in types]
+            target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
+            for t in types:  # promotable is not always castable (struct field sets, say)
+                pa.array([], type=t).cast(target)
+        except pa.ArrowException:
+            target = pa.string()
+            text_columns.add(name)
+        fields.append(pa.field(name, target))
+    return pa.schema(fields), text_columns
+
+
+def _conform(table: pa.Table, schema: pa.Schema, text_columns: set[str]) -> pa.Table:
+    columns = []
+    for target in schema:
+        if target.name not in table.column_names:
+            columns.append(pa.nulls(table.num_rows, target.type))
+            continue
+        column = table.column(target.name)
+        if target.name in text_columns and column.type != pa.string():
+            column = pa.array([as_text(v) for v in column.to_pylist()], type=pa.string())
+        columns.append(column.cast(target.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _check_unique(sorted_keys: list[tuple[int, int]]) -> None:
+    dups = [b for a, b in pairwise(sorted_keys) if a == b]
+    if dups:
+        raise BatchgenError(
+            f"row {dups[0][0]} (sample {dups[0][1]}) is committed twice: remove the extra shard"
+        )

@@ -1,0 +1,93 @@
+"""The layout of an output directory. Every name under it is declared here, once.
+
+<dir>/job.json            manifest: the job's spec and identity (what resuming must match)
+<dir>/job.lock            held by the run writing the directory (pid, host)
+<dir>/shards/part-<run>-<seq>-n<rows>.<ext>   committed shards: the checkpoint
+<dir>/damaged/            shards found unreadable on resume, moved aside (rows regenerated)
+<dir>/summary.json        counts and throughput of the last run
+<dir>/results.<ext>       every committed row in input order (when the job completes)
+<dir>/errors.jsonl        OpenAI Batch error lines (openai-batch input only)
+.tmp-*                    a file being written atomically (never read; removed on resume)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+OUTPUT_FORMATS = ("parquet", "jsonl")
+TEMP_PREFIX = ".tmp-"
+SHARD_PREFIX = "part-"
+_ROWS = re.compile(r"-n(\d+)\.[a-z]+$")
+
+
+def temp_path(path: Path) -> Path:
+    """Where `path` is written before its atomic rename."""
+    return path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    dir: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", Path(self.dir))
+
+    @property
+    def manifest(self) -> Path:
+        return self.dir / "job.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.dir / "job.lock"
+
+    @property
+    def summary(self) -> Path:
+        return self.dir / "summary.json"
+
+    @property
+    def shards(self) -> Path:
+        return self.dir / "shards"
+
+    @property
+    def damaged(self) -> Path:
+        return self.dir / "damaged"
+
+    def results(self, format: str) -> Path:
+        return self.dir / f"results.{format}"
+
+    @property
+    def openai_results(self) -> Path:
+        return self.dir / "results.jsonl"
+
+    @property
+    def openai_errors(self) -> Path:
+        return self.dir / "errors.jsonl"
+
+    def shard(self, run_token: str, seq: int, rows: int, format: str) -> Path:
+        return self.shards / f"{SHARD_PREFIX}{run_token}-{seq:06d}-n{rows}.{format}"
+
+    @staticmethod
+    def shard_rows(path: Path) -> int | None:
+        """The row count a shard's name declares (None for a name without one)."""
+        match = _ROWS.search(path.name)
+        return int(match.group(1)) if match else None
+
+    def shard_paths(self, format: str | None = None) -> list[Path]:
+        """Committed shards (of one format, or both), oldest run first."""
+        exts = OUTPUT_FORMATS if format is None else (format,)
+        return sorted(p for ext in exts for p in self.shards.glob(f"{SHARD_PREFIX}*.{ext}"))
+
+    def temp_files(self) -> list[Path]:
+        return [*self.dir.glob(f"{TEMP_PREFIX}*"), *self.shards.glob(f"{TEMP_PREFIX}*")]
+
+    def holds_anything_but_leftovers(self) -> bool:
+        """True when the folder holds files other than temp files and a lock."""
+        if not self.dir.is_dir():
+            return False
+        ignore = {self.lock.name}
+        return any(
+            not p.name.startswith(TEMP_PREFIX) and p.name not in ignore for p in self.dir.iterdir()
+        )

@@ -1,0 +1,264 @@
+"""A resume continues only the same job: same input content, same result-affecting settings,
+same model; one run at a time; a damaged checkpoint is repaired or refused, never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError
+from batchgen.io import OutputLayout
+from batchgen.io.checkpoint import DirectoryLock
+from batchgen.job import run_job
+from batchgen.models import build_tiny_model
+from tests.test_job import read_rows, spec_for, write_jsonl
+
+PROMPTS = [f"Row {i}: say something about the number {i}." for i in range(12)]
+SAMPLED = ("sampling.temperature=1.0", "sampling.max_new_tokens=6")
+
+
+def jsonl_rows(prompts: list[str]) -> list[dict]:
+    return [{"uid": f"u{i}", "prompt": p} for i, p in enumerate(prompts)]
+
+
+@pytest.fixture
+def job(model_dir, tmp_path: Path):
+    """job(*sets, inp=..., out=..., model=...) -> run_job result of a small sampled job."""
+    model = model_dir("llama")
+    default_inp = write_jsonl(tmp_path / "in.jsonl", jsonl_rows(PROMPTS))
+
+    def run(
+        *sets: str, inp: Path = default_inp, out: Path | None = None, model: Path = model, **kw
+    ):
+        spec = spec_for(model, inp, out or tmp_path / "out", *SAMPLED, *sets)
+        return run_job(spec, **kw)
+
+    return run
+
+
+def test_changed_input_content_is_refused(job, tmp_path: Path) -> None:
+    assert job().complete
+    edited = [p.replace("number", "digit") for p in PROMPTS]  # same rows, other text
+    write_jsonl(tmp_path / "in.jsonl", jsonl_rows(edited))
+    with pytest.raises(BatchgenError, match=r"the input changed \('in.jsonl'.*--force-resume"):
+        job()
+    forced = job(force_resume=True)  # on purpose: keeps the old rows, as --force-resume says
+    assert forced.complete and forced.summary["rows_ok"] == 0
+
+
+def test_a_row_inserted_at_the_top_is_refused(job, tmp_path: Path) -> None:
+    assert job().complete
+    write_jsonl(tmp_path / "in.jsonl", [{"uid": "new", "prompt": "first!"}, *jsonl_rows(PROMPTS)])
+    with pytest.raises(BatchgenError, match="the input changed"):
+        job()
+    assert len(read_rows(tmp_path / "out")) == 12, "the output was not touched"
+
+
+def test_changed_parquet_input_is_refused(job, tmp_path: Path) -> None:
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": PROMPTS}), inp)
+    assert job(inp=inp).complete
+    pq.write_table(pa.table({"prompt": list(reversed(PROMPTS))}), inp)
+    with pytest.raises(BatchgenError, match="the input changed"):
+        job(inp=inp)
+
+
+def test_the_same_input_under_another_spelling_or_copy_resumes(
+    job, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert job(inp=Path("in.jsonl")).complete
+    assert job(inp=Path("./in.jsonl")).complete
+    shutil.copy(tmp_path / "in.jsonl", tmp_path / "copy.jsonl")  # new mtime, same content
+    again = job(inp=tmp_path / "copy.jsonl")
+    assert again.complete and again.summary["resumed"] and again.summary["rows_ok"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ("runtime.seed=1", "runtime.seed"),
+        ("runtime.dtype='bfloat16'", "runtime.dtype"),
+        ("runtime.max_model_len=64", "runtime.max_model_len"),
+        ("sampling.top_p=0.5", "sampling.top_p"),
+        ("prompt.template='Q: {prompt}'", "prompt.template"),
+        ("output.include_token_ids=true", "output.include_token_ids"),
+    ],
+)
+def test_a_result_affecting_setting_is_part_of_the_identity(
+    job, tmp_path: Path, change: str, key: str
+) -> None:
+    stopped = job(
+        "runtime.max_num_seqs=2", "output.shard_rows=2", stop=StopAfterShards(tmp_path / "out", 2)
+    )
+    assert not stopped.complete
+    with pytest.raises(BatchgenError, match=rf"setting {key} changed"):
+        job(change)
+
+
+def test_settings_that_cannot_change_a_row_may_change(job, tmp_path: Path) -> None:
+    assert not job(
+        "runtime.max_num_seqs=2", "output.shard_rows=2", stop=StopAfterShards(tmp_path / "out", 2)
+    ).complete
+    sets = ("runtime.max_num_seqs=5", "runtime.max_num_batched_tokens=300", "runtime.block_size=8")
+    result = job(*sets, "runtime.tokenizer_threads=1", "output.shard_rows=3")
+    assert result.complete and result.summary["resumed"]
+
+
+def test_a_rebuilt_model_at_the_same_path_is_refused(job, tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    assert job(model=model).complete
+    shutil.rmtree(model)
+    build_tiny_model(tmp_path / "model", seed=1)  # same config and tokenizer, other weights
+    with pytest.raises(BatchgenError, match=r"the model changed \(weights differ\)"):
+        job(model=model)
+    copy = tmp_path / "copy"
+    build_tiny_model(copy, seed=1)  # the same weights elsewhere: the same model
+    assert job(model=copy, force_resume=True).complete
+    assert job(model=model).complete
+
+
+def test_two_runs_cannot_write_one_directory(job, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with (
+        DirectoryLock(OutputLayout(out)),
+        pytest.raises(BatchgenError, match=rf"in use by another batchgen run \(pid {os.getpid()}"),
+    ):
+        job()
+    assert job().complete  # released
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(job, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "job.lock").write_text(json.dumps({"pid": 999999, "host": "elsewhere"}))
+    assert job().complete
+    assert not (out / "job.lock").exists()
+
+
+def test_a_second_cli_run_exits_with_one_line(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", jsonl_rows(PROMPTS * 400))  # runs for minutes
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "batchgen", "run", "--model", str(model), "--input", str(inp)]
+    cmd += ["--output", str(out), "--quiet", "--set", "runtime.device='cpu'"]
+    cmd += ["--set", "sampling.max_new_tokens=128", "--set", "sampling.ignore_eos=true"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while not (out / "job.json").exists() and first.poll() is None:
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[1][-2000:]
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert first.poll() is None, "the first run still holds the directory"
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "in use by another batchgen run" in lines[0], second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+
+
+def test_a_failed_model_load_leaves_the_output_untouched(job, model_dir, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir("llama"), broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = tmp_path / "out"
+    with pytest.raises(BatchgenError, match="could not load model"):
+        job(model=broken)
+    assert not out.exists(), "nothing claimed"
+    out.mkdir()
+    with pytest.raises(BatchgenError, match="could not load model"):
+        job(model=broken)
+    assert list(out.iterdir()) == [], "an existing empty directory stays empty"
+    assert job().complete  # the corrected rerun works
+
+
+def test_a_damaged_manifest_is_refused_then_adopted_with_force(job, tmp_path: Path) -> None:
+    assert not job(
+        "output.shard_rows=2", "runtime.max_num_seqs=2", stop=StopAfterShards(tmp_path / "out", 2)
+    ).complete
+    manifest = tmp_path / "out" / "job.json"
+    for damage in (b"", b"{not json", b'{"spec": 1}', b'{"version": 2, "spec": {}}'):
+        manifest.write_bytes(damage)
+        with pytest.raises(BatchgenError, match=r"job.json cannot be used .*--force-resume"):
+            job()
+    manifest.unlink()
+    with pytest.raises(BatchgenError, match=r"holds shards but no job\.json"):
+        job()
+    result = job(force_resume=True)
+    assert result.complete
+    rows = read_rows(tmp_path / "out")
+    assert [r["index"] for r in rows] == list(range(12))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_damaged_shard_is_regenerated_exactly(job, tmp_path: Path, fmt: str) -> None:
+    sets = ("prompt.id_column='uid'", f"output.format='{fmt}'", "runtime.seed=3")
+    reference = job(*sets, out=tmp_path / "ref")
+    assert reference.complete
+    expected = {r["id"]: r["text"] for r in read_rows(tmp_path / "ref")}
+    assert job(*sets, "output.shard_rows=3").complete
+    out = tmp_path / "out"
+    shards = sorted((out / "shards").glob("part-*"))
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) // 2])  # truncated
+    shards[2].unlink()  # deleted
+    (out / f"results.{fmt}").unlink()
+    result = job(*sets, "output.shard_rows=3")
+    assert result.complete and result.summary["rows_ok"] == 6
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [f"u{i}" for i in range(12)]
+    assert {r["id"]: r["text"] for r in rows} == expected
+    assert (out / "damaged" / shards[1].name).exists()
+
+
+def test_derived_seeds_follow_the_row_id_not_its_position(job, tmp_path: Path) -> None:
+    """A seeded job gives the same text for an id wherever the row is in the input."""
+    rows = jsonl_rows(PROMPTS)
+    assert job("prompt.id_column='uid'", "runtime.seed=7", out=tmp_path / "a").complete
+    mixed = [{"uid": "x1", "prompt": "an extra row"}, *reversed(rows), {"uid": "x2", "prompt": "z"}]
+    other = write_jsonl(tmp_path / "mixed.jsonl", mixed)
+    assert job("prompt.id_column='uid'", "runtime.seed=7", inp=other, out=tmp_path / "b").complete
+    first = {r["id"]: r["text"] for r in read_rows(tmp_path / "a")}
+    second = {r["id"]: r["text"] for r in read_rows(tmp_path / "b")}
+    assert all(first[uid] == second[uid] for uid in first)
+    assert len(set(first.values())) > 6, "sampled texts differ between rows"
+
+
+def test_result_files_of_any_jobs_concatenate(job, tmp_path: Path) -> None:
+    """One fixed schema: the error column is a string column also when no row failed."""
+    assert job(out=tmp_path / "clean").complete
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"uid": "a", "prompt": "hi"}, {"uid": "b"}])
+    assert job(inp=bad, out=tmp_path / "bad").complete
+    clean = pq.read_table(tmp_path / "clean" / "results.parquet")
+    failed = pq.read_table(tmp_path / "bad" / "results.parquet")
+    assert clean.schema == failed.schema and clean.schema.field("error").type == pa.string()
+    assert pa.concat_tables([clean, failed]).num_rows == 14
+    import pyarrow.dataset as pads
+
+    files = [str(tmp_path / d / "results.parquet") for d in ("clean", "bad")]
+    assert pads.dataset(files).to_table().num_rows == 14
+
+
+class StopAfterShards(threading.Event):
+    """A job's stop event that sets itself once `count` shards are committed in `out`."""
+
+    def __init__(self, out: Path, count: int) -> None:
+        super().__init__()
+        self.shards, self.count = out / "shards", count
+
+    def is_set(self) -> bool:
+        if not super().is_set() and len(list(self.shards.glob("part-*"))) >= self.count:
+            self.set()
+        return super().is_set()
