@@ -268,3 +268,13 @@ def test_a_closed_engine_releases_its_memory_at_once(model_dir) -> None:
     with pytest.raises(RuntimeError, match="closed"):
         list(engine.generate(["Hello"]))
     assert Engine(model_dir("llama"), config).num_blocks == blocks
+
+
+def test_a_changed_dataset_is_refused_on_resume(gen: Generator, tmp_path: Path) -> None:
+    """Same length and columns, other content: the checkpoint does not answer it."""
+    gen(table(), sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False)
+    changed = datasets.Dataset.from_dict({"prompt": PROMPTS[::-1], "k": list(range(10))})
+    with pytest.raises(BatchgenError, match="the input changed"):
+        gen(changed, sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False)
+    again = gen(table(), sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False)
+    assert again["prompt"] == PROMPTS
