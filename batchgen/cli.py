@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import signal
 import sys
+import tempfile
 import threading
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from batchgen.errors import BatchgenError
 
-EXIT_USER_ERROR = 2
+EXIT_INCOMPLETE = 1  # the job ended with rows not committed
+EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
+EXIT_INTERNAL_ERROR = 70  # a bug: one line and the path of a log file with the traceback
 # Shortcut options -> spec keys (a shortcut is the same as --set key=value).
 SHORTCUTS = {
     "model": "model.path",
@@ -30,8 +38,55 @@ SHORTCUTS = {
 
 
 def _fail(exc: BaseException) -> None:
-    click.echo(f"batchgen: error: {exc}", err=True)
+    click.echo(f"batchgen: error: {_one_line(str(exc))}", err=True)
     sys.exit(EXIT_USER_ERROR)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Every command: a user error is one line (exit 2); anything unexpected is one line with
+    the path of a log file holding the traceback (exit 70); nothing is shown raw."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BatchgenError as exc:
+            _fail(exc)
+        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            log = _write_crash_log()
+            click.echo(
+                f"batchgen: internal error ({type(exc).__name__}: {_one_line(str(exc))[:200]}); "
+                f"this is a bug: the traceback is in {log}",
+                err=True,
+            )
+            sys.exit(EXIT_INTERNAL_ERROR)
+
+    return wrapper
+
+
+def _write_crash_log() -> str:
+    text = traceback.format_exc()
+    for folder in (os.environ.get("BATCHGEN_HOME"), tempfile.gettempdir()):
+        if not folder:
+            continue
+        try:
+            path = (
+                Path(folder).expanduser()
+                / "logs"
+                / f"crash-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(" ".join(sys.argv) + "\n\n" + text, errors="backslashreplace")
+            return str(path)
+        except OSError:
+            continue
+    return "(no writable folder for a log)"
 
 
 def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,12 +123,10 @@ def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> Any:
     from batchgen.spec import load_spec
 
-    items = list(sets)
-    for name, key in SHORTCUTS.items():
-        value = shortcuts.get(name)
-        if value is not None:
-            items.append(f"{key}={json.dumps(value)}")
-    return load_spec(job, items)
+    values = {
+        key: shortcuts[name] for name, key in SHORTCUTS.items() if shortcuts.get(name) is not None
+    }
+    return load_spec(job, list(sets), values)
 
 
 @click.group()
@@ -87,6 +140,7 @@ def main() -> None:
 @click.option(
     "--force-resume", is_flag=True, help="Resume an output directory whose job spec differs."
 )
+@_guarded
 def run(
     job: str | None, sets: tuple[str, ...], quiet: bool, force_resume: bool, **shortcuts: Any
 ) -> None:
@@ -110,7 +164,7 @@ def run(
             f"{spec.output.dir}): run the same command again to finish it",
             err=True,
         )
-        sys.exit(1)
+        sys.exit(EXIT_INCOMPLETE)
     if result.interrupted:
         click.echo(
             f"batchgen: interrupted; {summary['rows_committed_total']} rows are committed in "
@@ -122,6 +176,7 @@ def run(
 
 @main.command()
 @_spec_options
+@_guarded
 def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     """Check JOB and its input without loading the model; print the resolved spec."""
     from batchgen.job import check_job
@@ -142,6 +197,7 @@ def model() -> None:
 
 
 @model.command("build-default")
+@_guarded
 def build_default() -> None:
     """Build the embedded tiny model (deterministic, offline) and print its folder."""
     from batchgen.models import default_model_path
@@ -200,6 +256,7 @@ class _stop_on_signals:
     show_default=True,
     help="Markdown file the table is appended to.",
 )
+@_guarded
 def bench(
     shape: str,
     workload: str,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from batchgen.engine import NOT_READY, Engine, Prompt
 from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
+from batchgen.engine.runner import check_backend
 from batchgen.errors import BatchgenError
 from batchgen.io import InputSource, OutputLayout, ShardWriter, open_input
 from batchgen.io.atomic import write_json_atomic
@@ -79,12 +80,19 @@ def check_job(spec: JobSpec, source: InputSource | None = None) -> InputSource:
     """
     if spec.input.format == OPENAI_BATCH:
         check_prompt_config(spec.prompt)
+    check_backend(spec.engine, resolve_device(spec.engine))  # before any model work
     if source is None:
         source = open_input(spec.input)
         check_output_outside_input(Path(spec.output.dir), spec.input, source)
+        if source.num_rows == 0:
+            raise BatchgenError(
+                f"input {spec.input.path!r} holds no rows ({source.description}): nothing to do"
+            )
     if spec.input.format == OPENAI_BATCH:
         return source
     needed = spec.prompt.columns_used()
+    if source.sampled:  # JSONL: a column the first rows lack may come later, rows vary
+        needed = spec.prompt.required_columns() if source.columns else []
     missing = [c for c in needed if source.columns is not None and c not in source.columns]
     if missing:
         raise BatchgenError(
@@ -150,7 +158,7 @@ def run_job(
     if engine is None:
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
     layout = OutputLayout(Path(spec.output.dir))
-    with DirectoryLock(layout):
+    with DirectoryLock(layout) as lock:
         previous = _previous(layout, force_resume)
         fingerprint = source.fingerprint()
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
@@ -170,7 +178,7 @@ def run_job(
             _verify_rows(spec, source, committed)
         if hooks.on_start is not None:
             hooks.on_start(layout, committed)
-        return _run(spec, source, engine, layout, committed, columns, stop, hooks, resuming)
+        return _run(spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock)
 
 
 def _run(
@@ -183,6 +191,7 @@ def _run(
     stop: threading.Event | None,
     hooks: Hooks,
     resuming: bool,
+    lock: DirectoryLock,
 ) -> JobResult:
     stop = stop or threading.Event()
     started = time.perf_counter()
@@ -190,7 +199,7 @@ def _run(
     total = None if source.num_rows is None else max(0, source.num_rows - len(done))
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
         stats, producer = _run_pipeline(
-            spec, source, engine, layout, done, columns, stop, hooks, _progress(bar, started)
+            spec, source, engine, layout, done, columns, stop, hooks, _progress(bar, started), lock
         )
     after = scan_committed(layout, _to_stderr)
     read_all = producer.finished and not stop.is_set()
@@ -309,6 +318,7 @@ def _run_pipeline(
     stop: threading.Event,
     hooks: Hooks,
     on_row: Any,
+    lock: DirectoryLock,
 ) -> tuple[Stats, Producer]:
     builder, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
@@ -323,7 +333,9 @@ def _run_pipeline(
         hash_rows=source.fingerprint() is None,
     )
     out = spec.output
-    writer = ShardWriter(layout, out.format, columns, out.shard_rows, out.shard_seconds)
+    writer = ShardWriter(
+        layout, out.format, columns, out.shard_rows, out.shard_seconds, before_commit=lock.check
+    )
     tok = engine.tokenizer
     consumer = Consumer(
         writer,
@@ -366,7 +378,7 @@ def _write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
 
 def _prompt_stage(spec: JobSpec, engine: Engine) -> tuple[Any, str | None]:
     """-> (the row -> prompt builder, the id column)."""
-    args = (engine.tokenizer, engine.max_model_len - 1, spec.sampling.max_new_tokens)
+    args = (engine.tokenizer, engine.max_model_len - 1, spec.sampling)
     if spec.input.format == OPENAI_BATCH:
         return RequestBuilder(spec.prompt, *args, served_names=spec.model.names), ID_COLUMN
     return PromptBuilder(spec.prompt, *args), spec.prompt.id_column

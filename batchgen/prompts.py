@@ -7,6 +7,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from batchgen.engine.sampling_params import SamplingParams
+
 PROMPT_SOURCES = ("column", "template", "messages_column")
 TRUNCATE = ("error", "left", "right")
 
@@ -63,6 +65,13 @@ class PromptConfig:
             cols.extend(template_fields(self.template))
         return list(dict.fromkeys(c for c in cols if c is not None))
 
+    def required_columns(self) -> list[str]:
+        """The columns every row needs: its prompt and, when given, its id."""
+        cols = [self.text_column, self.messages_column, self.id_column]
+        if self.template is not None:
+            cols.extend(template_fields(self.template))
+        return list(dict.fromkeys(c for c in cols if c is not None))
+
 
 def template_fields(template: str) -> list[str]:
     try:
@@ -86,39 +95,56 @@ class RowPrompt(NamedTuple):
     input_hash: str | None = None  # the row's hash, for sources checked row by row on resume
 
 
+MAX_NESTING = 32  # levels of lists/objects a pass-through value may have (Parquet reads ~45)
+CHAR_SLACK = 4  # a prompt longer than slack x tokens x longest token (in characters) cannot fit
+
+
 class PromptBuilder:
-    """Renders and tokenizes rows; thread-safe (used from the tokenizer pool)."""
+    """Renders and tokenizes rows; thread-safe (used from the tokenizer pool).
+
+    Everything a row brings is checked here, where it enters: its id, its pass-through values,
+    its per-row sampling values (as the engine will see them) and its prompt. A row that fails
+    a check becomes an error row that can always be written; the engine and the writer never
+    see an invalid value.
+    """
 
     def __init__(
-        self, config: PromptConfig, tokenizer: Any, max_prompt_tokens: int, max_new_tokens: int
+        self,
+        config: PromptConfig,
+        tokenizer: Any,
+        max_prompt_tokens: int,
+        sampling: SamplingParams,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens  # the context minus one generated token
-        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling  # the job's defaults, which per-row values override
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = CHAR_SLACK * max_prompt_tokens * max(longest, 1)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
         cfg = self.config
-        row_id = str(index) if cfg.id_column is None else _str_id(values.get(cfg.id_column))
-        passthrough = {c: values.get(c) for c in cfg.passthrough}
+        raw_id = str(index) if cfg.id_column is None else _str_id(values.get(cfg.id_column))
+        row_id = writable(raw_id)
+        passthrough, bad_column = _passthrough(values, cfg.passthrough)
         try:
+            if row_id != raw_id:
+                raise ValueError(f"id {row_id!r} is not valid Unicode (a lone surrogate)")
             if not row_id:
                 raise ValueError(f"id column {cfg.id_column!r} is missing or null")
+            if bad_column is not None:
+                raise ValueError(bad_column)
             overrides = self._overrides(values)
-            ids = self._truncate(self._tokenize(values), overrides)
+            params = _params(self.sampling, overrides)
+            ids = self._truncate(self._tokenize(values), params.max_new_tokens)
         except ValueError as exc:
-            return RowPrompt(index, row_id, None, {}, passthrough, str(exc))
+            return RowPrompt(index, row_id, None, {}, passthrough, writable(str(exc)))
         return RowPrompt(index, row_id, ids, overrides, passthrough, None)
 
     def _tokenize(self, values: dict[str, Any]) -> list[int]:
         cfg, tok = self.config, self.tokenizer
         if cfg.messages_column is not None:
-            messages = _value(values, cfg.messages_column)
-            if not isinstance(messages, list) or not messages:
-                raise ValueError(
-                    f"column {cfg.messages_column!r} must hold a non-empty list "
-                    "of {role, content} messages"
-                )
+            messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
             if cfg.system_prompt is not None and messages[0].get("role") != "system":
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
             try:
@@ -127,7 +153,7 @@ class PromptBuilder:
                 raise ValueError(
                     f"chat template failed on column {cfg.messages_column!r}: {exc}"
                 ) from exc
-            return list(tok(text, add_special_tokens=False).input_ids)
+            return list(tok(self._checked(text), add_special_tokens=False).input_ids)
         if cfg.template is not None:
             fields = {name: _value(values, name) for name in template_fields(cfg.template)}
             text = cfg.template.format(**fields)
@@ -139,7 +165,25 @@ class PromptBuilder:
                 )
         if not text:
             raise ValueError("prompt is empty")
-        return list(tok(text).input_ids)
+        return list(tok(self._checked(text)).input_ids)
+
+    def _checked(self, text: str) -> str:
+        """The prompt text, if it can be encoded and could fit; cut (by characters, to a
+        length that still holds more tokens than fit) where it is truncated anyway."""
+        if writable(text) != text:
+            raise ValueError("prompt is not valid Unicode (it holds a lone surrogate)")
+        if len(text) <= self.max_prompt_chars:
+            return text
+        mode = self.config.truncate
+        if mode == "left":
+            return text[-self.max_prompt_chars :]
+        if mode == "right":
+            return text[: self.max_prompt_chars]
+        raise ValueError(
+            f"prompt has {len(text):,} characters, more than the model's context of "
+            f"{self.max_prompt_tokens + 1:,} tokens (max_model_len) can hold: shorten it, or "
+            "set prompt.truncate"
+        )
 
     def _overrides(self, values: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
@@ -153,13 +197,76 @@ class PromptBuilder:
         out.update({key: value for key, value in picked.items() if value is not None})
         return out
 
-    def _truncate(self, ids: list[int], overrides: dict[str, Any]) -> list[int]:
+    def _truncate(self, ids: list[int], max_new_tokens: int) -> list[int]:
         mode = self.config.truncate
         if mode == "error" or len(ids) <= self.max_prompt_tokens:
             return ids
-        new = overrides.get("max_new_tokens", self.max_new_tokens)
-        keep = max(1, self.max_prompt_tokens + 1 - int(new))
+        keep = max(1, self.max_prompt_tokens + 1 - max_new_tokens)
         return ids[-keep:] if mode == "left" else ids[:keep]
+
+
+def _params(base: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
+    """The row's sampling as the engine will build it; ValueError naming a bad value."""
+    try:
+        return base.replace(**overrides)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _messages(value: Any, column: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            f"column {column!r} must hold a non-empty list of {{role, content}} messages"
+        )
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(
+                f"column {column!r} message {i} must be an object with a string role and its "
+                f"content, not {type(message).__name__}"
+            )
+    return value
+
+
+def writable(text: str) -> str:
+    """text with lone surrogates (which no file can hold) escaped as \\udXXX."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _passthrough(
+    values: dict[str, Any], columns: tuple[str, ...]
+) -> tuple[dict[str, Any], str | None]:
+    """-> (the values to copy, why one of them cannot be written); a bad value becomes None."""
+    out, problem = {}, None
+    for column in columns:
+        value = values.get(column)
+        reason = _unwritable(value, 0)
+        if reason is not None:
+            problem = problem or f"pass-through column {column!r} {reason}: it is left empty"
+            value = None
+        out[column] = value
+    return out, problem
+
+
+def _unwritable(value: Any, depth: int) -> str | None:
+    if depth > MAX_NESTING:
+        return f"is nested more than {MAX_NESTING} levels deep"
+    if isinstance(value, str):
+        return None if writable(value) == value else "holds a lone surrogate (not valid Unicode)"
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return None
+    for item in items:
+        reason = _unwritable(item, depth + 1)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _sampling_dict(value: Any, column: str | None) -> dict[str, Any]:

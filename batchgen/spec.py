@@ -84,24 +84,43 @@ SECTIONS: dict[str, tuple[type, ...]] = {
 
 
 def load_spec(
-    path: str | Path | None, overrides: list[str] = (), base_dir: Path | None = None
+    path: str | Path | None, overrides: list[str] = (), values: dict[str, Any] | None = None
 ) -> JobSpec:
-    """Read a TOML job file (or none) and apply `section.key=value` overrides."""
+    """Read a TOML job file (or none), apply `section.key=value` overrides (TOML values, as
+    --set gives them), then `values` ({"section.key": value}, as the CLI's shortcut options
+    give them). A key given both ways is an error: which one was meant is not clear."""
     table: dict[str, Any] = {}
     if path is not None:
         file = Path(path)
         if not file.is_file():
             raise BatchgenError(f"job file '{path}' does not exist")
         try:
-            table = tomllib.loads(file.read_text())
+            table = tomllib.loads(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise BatchgenError(
+                f"job file '{path}' is not UTF-8 text (byte {exc.start}): save it as UTF-8"
+            ) from exc
         except tomllib.TOMLDecodeError as exc:
             raise BatchgenError(f"job file '{path}' is not valid TOML: {exc}") from exc
+        except OSError as exc:
+            raise BatchgenError(f"cannot read job file '{path}' ({exc.strerror})") from exc
+    set_keys = []
     for item in overrides:
-        apply_override(table, item)
+        set_keys.append(apply_override(table, item))
+    for key, value in (values or {}).items():
+        if key in set_keys:
+            option = "--" + key.split(".", 1)[1].replace("_", "-")
+            raise BatchgenError(
+                f"{key} is given twice (--set {key}=... and a shortcut such as {option}): "
+                "give it once"
+            )
+        section, _, name = key.partition(".")
+        table.setdefault(section, {})[name] = value
     return spec_from_table(table)
 
 
-def apply_override(table: dict[str, Any], item: str) -> None:
+def apply_override(table: dict[str, Any], item: str) -> str:
+    """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
@@ -111,6 +130,7 @@ def apply_override(table: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string
     table.setdefault(section, {})[name] = value
+    return f"{section.strip()}.{name.strip()}"
 
 
 def spec_from_table(table: dict[str, Any]) -> JobSpec:

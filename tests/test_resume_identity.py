@@ -262,3 +262,25 @@ class StopAfterShards(threading.Event):
         if not super().is_set() and len(list(self.shards.glob("part-*"))) >= self.count:
             self.set()
         return super().is_set()
+
+
+def test_an_input_without_fingerprint_is_checked_row_by_row(model_dir, tmp_path: Path) -> None:
+    """A streamed source (an IterableDataset here, a hub stream in a job) has no fingerprint up
+    front: each committed row's input hash is compared before anything is generated."""
+    datasets = pytest.importorskip("datasets")
+    from batchgen.io import dataset_source
+
+    def source(prompts: list[str]):
+        ds = datasets.Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+        return dataset_source(ds, 4, "stream")
+
+    model = model_dir("llama")
+    out = tmp_path / "out"
+    spec = spec_for(model, tmp_path / "unused", out, *SAMPLED, "output.shard_rows=2")
+    first = run_job(spec, source=source(PROMPTS), stop=StopAfterShards(out, 2))
+    assert not first.complete
+    changed = [f"{p} (edited)" for p in PROMPTS]
+    with pytest.raises(BatchgenError, match=r"input row \d+ is not the row"):
+        run_job(spec, source=source(changed))
+    assert run_job(spec, source=source(PROMPTS)).complete
+    assert [r["index"] for r in read_rows(out)] == list(range(12))

@@ -1,4 +1,4 @@
-"""Model shapes, workloads W1-W4 and the roofline bound of shared/DESIGN.md."""
+"""Model shapes, workloads W1-W4 and the roofline bound of docs/architecture.md."""
 
 from __future__ import annotations
 

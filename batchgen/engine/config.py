@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class EngineConfig:
     seed: int = 0  # base of per-request seeds when a request gives none
 
     def __post_init__(self) -> None:
+        _check(
+            isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
+            "device",
+            self.device,
+            "auto, cpu, cuda or cuda:N",
+        )
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         _check(
             self.block_size in (8, 16, 32, 64, 128),

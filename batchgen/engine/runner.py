@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from functools import partial
 from itertools import pairwise
 
@@ -67,14 +68,25 @@ def plan_num_blocks(
     return num_blocks
 
 
-def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+def check_backend(config: EngineConfig, device: torch.device) -> str:
+    """The attention backend this config gets on device -> "reference" or "triton";
+    BatchgenError when it cannot run there (checked before any model work)."""
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if device.type == "cuda" and _has_triton() else "reference"
-    if choice == "reference":
-        return ReferenceBackend()
-    if device.type != "cuda" and not _has_triton():
+    if choice == "triton" and not _has_triton():
         raise BatchgenError("attention_backend='triton' needs triton: pip install triton")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BatchgenError(
+            f"attention_backend='triton' runs on a CUDA GPU, not on {device}: use "
+            "attention_backend='auto' or 'reference' (or TRITON_INTERPRET=1 to test the kernels)"
+        )
+    return choice
+
+
+def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    if check_backend(config, device) == "reference":
+        return ReferenceBackend()
     from batchgen.engine.triton_backend import TritonBackend
 
     return TritonBackend()

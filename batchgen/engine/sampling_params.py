@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,9 +33,14 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the chosen token's and the top k's logprobs
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
+        """Lists become tuples and a lone stop string a one-element tuple; anything else that
+        is not what a field takes is a ValueError naming it (never a TypeError)."""
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
         for problem in _problems(self):
             raise ValueError(problem)
 
@@ -57,29 +63,31 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+MAX_N = 128  # samples of one prompt, as the OpenAI API allows
+MAX_TOKENS = 2**31 - 1  # any token count or id
+MAX_SEED = 2**63 - 1  # seeds are int64 on the device
+MAX_STOP = 64  # stop strings or stop token ids of one request
+
+
+def _is_int(v: Any, low: int = 0, high: int = MAX_TOKENS) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _all(values: Any, ok: Any) -> bool:
+    return isinstance(values, tuple) and len(values) <= MAX_STOP and all(ok(v) for v in values)
 
 
 def _problems(p: SamplingParams) -> list[str]:
     """Every rule a field breaks, as 'field=value must ...' messages."""
     rules = [
-        (
-            "max_new_tokens",
-            _is_int(p.max_new_tokens) and p.max_new_tokens >= 1,
-            "be an integer >= 1",
-        ),
-        (
-            "min_new_tokens",
-            _is_int(p.min_new_tokens) and p.min_new_tokens >= 0,
-            "be an integer >= 0",
-        ),
+        ("max_new_tokens", _is_int(p.max_new_tokens, 1), "be an integer >= 1"),
+        ("min_new_tokens", _is_int(p.min_new_tokens), "be an integer >= 0"),
         ("temperature", _is_num(p.temperature) and p.temperature >= 0, "be a number >= 0"),
-        ("top_k", _is_int(p.top_k) and p.top_k >= 0, "be an integer >= 0 (0 = off)"),
+        ("top_k", _is_int(p.top_k), "be an integer >= 0 (0 = off)"),
         ("top_p", _is_num(p.top_p) and 0 < p.top_p <= 1, "be in (0, 1]"),
         ("min_p", _is_num(p.min_p) and 0 <= p.min_p <= 1, "be in [0, 1]"),
         (
@@ -97,23 +105,40 @@ def _problems(p: SamplingParams) -> list[str]:
             _is_num(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
             "be in [-2, 2]",
         ),
-        ("seed", p.seed is None or (_is_int(p.seed) and p.seed >= 0), "be an integer >= 0"),
-        ("n", _is_int(p.n) and p.n >= 1, "be an integer >= 1"),
+        ("seed", p.seed is None or _is_int(p.seed, 0, MAX_SEED), "be an integer in [0, 2**63)"),
+        ("n", _is_int(p.n, 1, MAX_N), f"be an integer in [1, {MAX_N}]"),
         (
             "stop_token_ids",
-            all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
-            "be token ids >= 0",
+            _all(p.stop_token_ids, _is_int),
+            f"be a list of at most {MAX_STOP} token ids >= 0",
         ),
-        ("stop", all(isinstance(s, str) and s for s in p.stop), "be non-empty strings"),
+        (
+            "stop",
+            _all(p.stop, lambda s: isinstance(s, str) and s),
+            f"be a string or a list of at most {MAX_STOP} non-empty strings",
+        ),
+        (
+            "include_stop_str_in_output",
+            isinstance(p.include_stop_str_in_output, bool),
+            "be true/false",
+        ),
+        ("ignore_eos", isinstance(p.ignore_eos, bool), "be true/false"),
         (
             "logprobs",
-            p.logprobs is None or (_is_int(p.logprobs) and 0 <= p.logprobs <= 20),
+            p.logprobs is None or _is_int(p.logprobs, 0, 20),
             "be an integer in [0, 20] or unset",
         ),
     ]
-    out = [f"{name}={getattr(p, name)!r} must {rule}" for name, ok, rule in rules if not ok]
+    out = [f"{name}={_show(getattr(p, name))} must {rule}" for name, ok, rule in rules if not ok]
     if not out and p.min_new_tokens > p.max_new_tokens:
         out.append(
             f"min_new_tokens={p.min_new_tokens} must be <= max_new_tokens={p.max_new_tokens}"
         )
     return out
+
+
+def _show(value: Any) -> str:
+    """A value for a message: repr, cut short, lone surrogates escaped."""
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

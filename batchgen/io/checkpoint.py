@@ -188,6 +188,16 @@ class DirectoryLock:
             os.close(fd)
         raise BatchgenError(f"could not lock output directory '{out}': try again")
 
+    def check(self) -> None:
+        """BatchgenError unless this run still holds the lock (the directory or its lock file
+        removed or replaced under it: another run may be writing now)."""
+        if self._fd is None or not _same_file(self._fd, self.layout.lock):
+            raise BatchgenError(
+                f"lost the lock on output directory '{self.layout.dir}' (its lock file was "
+                "removed or replaced while this run wrote it): no more rows are written; run "
+                "the same command again once no other run uses the directory"
+            )
+
     def release(self) -> None:
         if self._fd is None:
             return

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
-from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt
+from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
 OPENAI_BATCH = "openai-batch"  # the input format name
 CHAT_URL = "/v1/chat/completions"
@@ -248,7 +248,7 @@ class RequestBuilder:
         config: PromptConfig,
         tokenizer: Any,
         max_prompt_tokens: int,
-        max_new_tokens: int,
+        sampling: SamplingParams,
         served_names: tuple[str, ...],
     ) -> None:
         self.served_names = served_names  # body.model must be one of these (or absent)
@@ -259,7 +259,7 @@ class RequestBuilder:
             "system_prompt": config.system_prompt,
             "truncate": config.truncate,
         }
-        args = (tokenizer, max_prompt_tokens, max_new_tokens)
+        args = (tokenizer, max_prompt_tokens, sampling)
         self.chat = PromptBuilder(PromptConfig(messages_column="messages", **common), *args)
         self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
 
@@ -281,8 +281,13 @@ class RequestBuilder:
                 ),
             }
         if values.get("error_code") is not None:
-            passthrough = {c: values.get(c) for c in PASSTHROUGH}
-            row_id = values.get(ID_COLUMN) or ""
-            return RowPrompt(index, row_id, None, {}, passthrough, values["error_message"])
+            passthrough = {c: _writable_value(values.get(c)) for c in PASSTHROUGH}
+            row_id = writable(values.get(ID_COLUMN) or "")
+            message = writable(values["error_message"])
+            return RowPrompt(index, row_id, None, {}, passthrough, message)
         builder = self.chat if values.get("messages") is not None else self.text
         return builder.build(index, values)
+
+
+def _writable_value(value: Any) -> Any:
+    return writable(value) if isinstance(value, str) else value

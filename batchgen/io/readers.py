@@ -40,6 +40,7 @@ PARQUET_BUFFER_BYTES = 1 << 20  # column chunks are read through a buffer of thi
 MAX_REASON_CHARS = 300  # an underlying exception's text, cut to keep messages one line
 
 _UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # UTF-32 LE starts with the UTF-16 LE mark
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # name or owner/name
 _FILE_SUFFIXES = {*EXTENSIONS, ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz"}
 _BLANK_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*\n", re.MULTILINE)  # the bytes.strip() set
@@ -99,6 +100,7 @@ class InputSource:
     fingerprint: Callable[[], Fingerprint | None] = field(repr=False, default=lambda: None)
     types: dict[str, pa.DataType] = field(default_factory=dict)  # declared column types
     files: tuple[Path, ...] = ()  # local files the input reads
+    sampled: bool = False  # columns were read off the first rows (JSONL), not a schema
 
     def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
         """Stream lists of up to batch_rows rows in input order.
@@ -266,7 +268,13 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
                 f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
             ) from exc
         num_rows += meta.num_rows
-        schema = meta.schema.to_arrow_schema()
+        try:
+            schema = meta.schema.to_arrow_schema()
+        except (pa.ArrowException, OSError) as exc:
+            raise BatchgenError(
+                f"cannot read the schema of parquet file {name!r} ({_reason(exc)}): "
+                "flatten or replace it"
+            ) from exc
         columns.update(dict.fromkeys(schema.names))
         for f in schema:
             types.setdefault(f.name, f.type)
@@ -329,6 +337,7 @@ def _jsonl_source(
         reader,
         fingerprint=lambda: fingerprint,
         files=tuple(path for path, _ in files),
+        sampled=True,
     )
 
 
@@ -354,7 +363,13 @@ def _scan_jsonl(path: Path, name: str) -> tuple[int, str]:
     partial_blank = True  # the unterminated line read so far is whitespace only
     try:
         with path.open("rb") as f:
-            if _is_json_document(f.read(COUNT_CHUNK_BYTES)):
+            head = f.read(COUNT_CHUNK_BYTES)
+            if head.startswith(_UTF16_BOMS):
+                raise BatchgenError(
+                    f"{name!r} is UTF-16 or UTF-32 text, not UTF-8: convert it, e.g. "
+                    f"iconv -f UTF-16 -t UTF-8 {name} > data.jsonl"
+                )
+            if _is_json_document(head):
                 raise BatchgenError(
                     f"{name!r} is one JSON document, not JSON Lines (one object per line): "
                     f"convert it, e.g. jq -c '.[]' {name} > data.jsonl"

@@ -8,10 +8,11 @@ either the whole shard or none of it visible. Its columns are the job's fixed sc
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import IO, Any
@@ -61,9 +62,11 @@ class ShardWriter:
         columns: Columns,
         shard_rows: int,
         shard_seconds: float,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         _check(format in OUTPUT_FORMATS, "format", format, " or ".join(OUTPUT_FORMATS))
         self.layout = layout
+        self.before_commit = before_commit  # raises when the shard must not be written
         layout.shards.mkdir(parents=True, exist_ok=True)
         fsync_dir(layout.dir)  # the shards folder itself survives a crash
         self.format = format
@@ -98,6 +101,8 @@ class ShardWriter:
         """Write the buffered rows as one shard now; returns the rows written (0 = none)."""
         if not self._rows:
             return 0
+        if self.before_commit is not None:
+            self.before_commit()
         path = self.layout.shard(self.token, self._seq, len(self._rows), self.format)
         encode = encode_parquet if self.format == "parquet" else encode_jsonl
         write_atomic(path, partial(encode, self._rows, self.columns))
@@ -108,19 +113,59 @@ class ShardWriter:
 
 
 def encode_jsonl(rows: list[Row], columns: Columns, f: IO[bytes]) -> None:
-    text = "".join(
-        json.dumps({c: row.get(c) for c in columns}, ensure_ascii=False, default=str) + "\n"
-        for row in rows
-    )
+    text = "".join(json_line({c: row.get(c) for c in columns}) for row in rows)
     f.write(text.encode("utf-8"))
 
 
+def json_line(row: Row) -> str:
+    """One JSON line. JSON has no NaN or infinity: such numbers are written as null."""
+    try:
+        return json.dumps(row, ensure_ascii=False, default=str, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(row), ensure_ascii=False, default=str) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def encode_parquet(rows: list[Row], columns: Columns, f: IO[bytes]) -> None:
-    pq.write_table(to_table(rows, columns), f)
+    """A shard is checked before it is committed: if Parquet cannot store (or read back) what
+    the values of an undeclared column inferred to (an empty object, say), those columns are
+    written as text (JSON) in this shard instead."""
+    data = _parquet_bytes(to_table(rows, columns))
+    if data is None:
+        data = _parquet_bytes(to_table(rows, columns, undeclared_as_text=True))
+    if data is None:
+        raise ValueError("these rows cannot be stored as Parquet")
+    f.write(data)
 
 
-def to_table(rows: list[Row], columns: Columns) -> pa.Table:
-    arrays = {name: _to_array([row.get(name) for row in rows], t) for name, t in columns.items()}
+def _parquet_bytes(table: pa.Table) -> bytes | None:
+    sink = pa.BufferOutputStream()
+    try:
+        pq.write_table(table, sink)
+        data = sink.getvalue()
+        pq.read_schema(pa.BufferReader(data))  # e.g. nesting deeper than readers take
+    except (pa.ArrowException, OSError):
+        return None
+    return data.to_pybytes()
+
+
+def to_table(rows: list[Row], columns: Columns, undeclared_as_text: bool = False) -> pa.Table:
+    arrays = {}
+    for name, type in columns.items():
+        values = [row.get(name) for row in rows]
+        if type is None and undeclared_as_text:
+            arrays[name] = pa.array([as_text(v) for v in values], type=pa.string())
+        else:
+            arrays[name] = _to_array(values, type)
     return pa.table(arrays)
 
 

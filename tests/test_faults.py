@@ -1,0 +1,334 @@
+"""Bad rows become error rows and the job goes on; a bad job is one line before any work; a
+fault mid-run keeps every committed row and the rerun completes exactly once."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchgen import BatchgenError
+from batchgen.cli import EXIT_INTERNAL_ERROR, main
+from batchgen.io import writer as writer_module
+from batchgen.job import run_job
+from tests.test_job import read_rows, spec_for, write_jsonl
+
+GOOD = {"id": "good", "prompt": "Tell me something."}
+
+
+def nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# Raw JSONL lines (JSON text, so lone surrogates can be written as escapes) -> expected error.
+BAD_LINES = {
+    "surrogate-prompt": ('{"id": "sp", "prompt": "bad \\udc00 text"}', "not valid Unicode"),
+    "surrogate-id": ('{"id": "x\\udc00", "prompt": "hi"}', "not valid Unicode"),
+    "surrogate-pass": ('{"id": "spt", "prompt": "hi", "tag": "\\ud800"}', "column 'tag'"),
+    "sampling-number": ('{"id": "sn", "prompt": "hi", "s": 5}', "object of sampling"),
+    "stop-ids-int": ('{"id": "si", "prompt": "hi", "s": {"stop_token_ids": 5}}', "stop_token_ids"),
+    "stop-int": ('{"id": "st", "prompt": "hi", "s": {"stop": 5}}', "stop=5"),
+    "huge-n": ('{"id": "hn", "prompt": "hi", "s": {"n": 100000000}}', "n=100000000"),
+    "inf-tokens": ('{"id": "it", "prompt": "hi", "s": {"max_new_tokens": Infinity}}', "max_new"),
+    "list-tokens": ('{"id": "lt", "prompt": "hi", "s": {"max_new_tokens": [1]}}', "max_new"),
+    "deep-pass": (json.dumps({"id": "dp", "prompt": "hi", "tag": nested(50)}), "nested"),
+}
+
+
+def lines_input(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_rows_that_used_to_kill_the_job_are_error_rows(model_dir, tmp_path: Path, fmt: str):
+    model = model_dir("llama")
+    lines = [
+        json.dumps(GOOD),
+        *(line for line, _ in BAD_LINES.values()),
+        json.dumps(GOOD | {"id": "good-2"}),
+    ]
+    spec = spec_for(
+        model,
+        lines_input(tmp_path, lines),
+        tmp_path / "out",
+        "prompt.id_column='id'",
+        "prompt.sampling_column='s'",
+        "prompt.passthrough=['tag']",
+        "sampling.max_new_tokens=4",
+        f"output.format='{fmt}'",
+    )
+    result = run_job(spec)
+    assert result.complete
+    rows = read_rows(tmp_path / "out")
+    assert [r["index"] for r in rows] == list(range(len(lines)))
+    assert rows[0]["error"] is None and rows[-1]["error"] is None
+    for row, (name, (_, message)) in zip(rows[1:-1], BAD_LINES.items(), strict=True):
+        assert row["finish_reason"] == "error", name
+        assert message in row["error"], (name, row["error"])
+    assert rows[2]["id"] == "x\\udc00", "an id that cannot be written is escaped, not dropped"
+
+
+def test_chat_rows_with_bad_messages_are_error_rows(model_dir, tmp_path: Path) -> None:
+    rows = [
+        {"id": "ok", "m": [{"role": "user", "content": "hi"}]},
+        {"id": "str-item", "m": ["hello"]},
+        {"id": "no-role", "m": [{"content": "hi"}]},
+    ]
+    for system in (None, "Be brief."):
+        out = tmp_path / f"out-{system is None}"
+        sets = ["prompt.messages_column='m'", "prompt.id_column='id'", "sampling.max_new_tokens=3"]
+        if system:
+            sets.append(f"prompt.system_prompt='{system}'")
+        assert run_job(
+            spec_for(model_dir("llama"), write_jsonl(tmp_path / "c.jsonl", rows), out, *sets)
+        ).complete
+        got = read_rows(out)
+        assert got[0]["error"] is None
+        assert all("must be an object with a string role" in r["error"] for r in got[1:])
+
+
+def test_over_long_rows_are_refused_by_length_before_tokenizing(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama", max_position_embeddings=64)
+    huge = "word " * 400_000  # 2 MB: far more than 64 tokens could ever cover
+    inp = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"id": "huge", "prompt": huge}])
+    sets = ("prompt.id_column='id'", "sampling.max_new_tokens=4")
+    assert run_job(spec_for(model, inp, tmp_path / "out", *sets)).complete
+    rows = read_rows(tmp_path / "out")
+    assert rows[0]["error"] is None and "characters" in rows[1]["error"]
+    left = spec_for(model, inp, tmp_path / "left", *sets, "prompt.truncate='left'")
+    assert run_job(left).complete
+    rows = read_rows(tmp_path / "left")
+    assert rows[1]["error"] is None and rows[1]["num_prompt_tokens"] <= 60
+
+
+def test_non_finite_numbers_in_jsonl_output_are_null(model_dir, tmp_path: Path) -> None:
+    inp = lines_input(tmp_path, ['{"id": "a", "prompt": "hi", "x": NaN, "y": [Infinity, 1.5]}'])
+    spec = spec_for(
+        model_dir("llama"), inp, tmp_path / "out", "prompt.passthrough=['x', 'y']",
+        "output.format='jsonl'", "sampling.max_new_tokens=2",
+    )  # fmt: skip
+    assert run_job(spec).complete
+    text = (tmp_path / "out" / "results.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)
+    assert row["x"] is None and row["y"] == [None, 1.5]
+
+
+# ---------------------------------------------------------------- faults mid-run
+
+
+def _fail_commits(monkeypatch, fail_on: set[int], error: OSError) -> list[int]:
+    """Make the shard encoder fail on the given commit numbers (0-based); -> commit counter."""
+    calls = [0]
+    real = writer_module.encode_parquet
+
+    def encode(rows, columns, f):
+        n = calls[0]
+        calls[0] += 1
+        if n in fail_on:
+            raise error
+        return real(rows, columns, f)
+
+    monkeypatch.setattr(writer_module, "encode_parquet", encode)
+    return calls
+
+
+@pytest.mark.parametrize("when", ["mid-run", "last-commit"])
+def test_a_full_disk_stops_the_job_and_the_rerun_completes(
+    model_dir, tmp_path: Path, monkeypatch, when: str
+) -> None:
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(42)])
+    sets = ("output.shard_rows=4", "sampling.max_new_tokens=6", "runtime.max_num_seqs=4")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    fail = {2} if when == "mid-run" else {10}  # 10: the 11th shard, 2 rows, the final commit
+    calls = _fail_commits(monkeypatch, fail, full)
+    with pytest.raises(BatchgenError, match=r"the disk is full.*run the same command again"):
+        run_job(spec_for(model, inp, tmp_path / "out", *sets))
+    if when == "mid-run":
+        assert calls[0] <= 4, "the engine stopped right after the writer failed"
+    summary = tmp_path / "out" / "summary.json"
+    assert not summary.exists() or not json.loads(summary.read_text())["complete"]
+    monkeypatch.undo()
+    result = run_job(spec_for(model, inp, tmp_path / "out", *sets))
+    assert result.complete and result.summary["rows_committed_total"] == 42
+    assert [r["index"] for r in read_rows(tmp_path / "out")] == list(range(42))
+
+
+def test_an_output_directory_removed_mid_run_is_one_line_then_resumes(
+    model_dir, tmp_path: Path, monkeypatch
+) -> None:
+    import shutil
+
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(20)])
+    out = tmp_path / "out"
+    sets = ("output.shard_rows=4", "sampling.max_new_tokens=6", "runtime.max_num_seqs=4")
+    real = writer_module.encode_parquet
+    calls = [0]
+
+    def encode(rows, columns, f):
+        calls[0] += 1
+        if calls[0] == 2:
+            shutil.rmtree(out)
+        return real(rows, columns, f)
+
+    monkeypatch.setattr(writer_module, "encode_parquet", encode)
+    with pytest.raises(BatchgenError, match=r"writing results into .* failed"):
+        run_job(spec_for(model, inp, out, *sets))
+    monkeypatch.undo()
+    assert run_job(spec_for(model, inp, out, *sets)).complete
+    assert [r["index"] for r in read_rows(out)] == list(range(20))
+
+
+def test_leftovers_of_a_kill_during_the_final_merge_or_the_first_manifest(
+    model_dir, tmp_path: Path
+) -> None:
+    """What a SIGKILL leaves in these two moments: a temp file beside a missing final file,
+    and a temp manifest in an otherwise empty directory. Both reruns complete exactly once."""
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(6)])
+    out = tmp_path / "merge"
+    assert run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3")).complete
+    (out / "results.parquet").rename(out / ".tmp-4242-results.parquet")
+    (out / ".tmp-4242-results.parquet").write_bytes(b"PAR1 half")
+    again = run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3"))
+    assert again.complete and again.summary["rows_ok"] == 0
+    assert [r["index"] for r in read_rows(out)] == list(range(6))
+    assert not list(out.glob(".tmp-*"))
+    fresh = tmp_path / "manifest"
+    fresh.mkdir()
+    (fresh / ".tmp-4242-job.json").write_text('{"version": 2, "sp')
+    assert run_job(spec_for(model, inp, fresh, "sampling.max_new_tokens=3")).complete
+    assert len(read_rows(fresh)) == 6
+
+
+# ---------------------------------------------------------------- one line, before any work
+
+
+def cli(*args: str) -> tuple[int, list[str]]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, [line for line in result.output.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def base(model_dir, tmp_path: Path) -> list[str]:
+    inp = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    return ["--model", str(model_dir("llama")), "--input", str(inp), "--quiet"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--set", "prompt.truncate=inf"], "prompt.truncate = inf: expected a string"),
+        (["--set", "prompt.truncate=['left']"], "prompt.truncate"),
+        (["--set", "runtime.device='tpu'"], "device='tpu' is not allowed"),
+        (["--set", "runtime.attention_backend='triton'"], "runs on a CUDA GPU"),
+        (["--max-new-tokens", "5", "--set", "sampling.max_new_tokens=6"], "given twice"),
+    ],
+)
+def test_bad_settings_are_one_line(base, tmp_path: Path, monkeypatch, extra, message) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel tests set it
+    code, lines = cli("run", *base, "--output", str(tmp_path / "out"), *extra)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "out" / "job.json").exists()
+
+
+def test_output_directory_that_is_a_file_or_inside_one(base, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((tmp_path / "afile", "is a file"), (tmp_path / "afile" / "o", "afile")):
+        code, lines = cli("run", *base, "--output", str(out))
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_directory(base, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    code, lines = cli("run", *base, "--output", str(ro / "out"))
+    assert code == 2 and len(lines) == 1 and "writable" in lines[0], lines
+
+
+def test_bad_job_files_and_inputs_are_one_line(model_dir, tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_bytes('[input]\npath = "caf\u00e9.jsonl"\n'.encode("latin-1"))
+    code, lines = cli("validate", str(job))
+    assert code == 2 and len(lines) == 1 and "not UTF-8" in lines[0], lines
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    code, lines = cli("validate", "--input", str(empty), "--output", str(tmp_path / "o"))
+    assert code == 2 and len(lines) == 1 and "holds no rows" in lines[0], lines
+    utf16 = tmp_path / "u16.jsonl"
+    utf16.write_bytes(json.dumps(GOOD).encode("utf-16"))
+    code, lines = cli("validate", "--input", str(utf16), "--output", str(tmp_path / "o"))
+    assert code == 2 and len(lines) == 1 and "UTF-16" in lines[0], lines
+    weights = tmp_path / "pickled"
+    weights.mkdir()
+    (weights / "config.json").write_text((model_dir("llama") / "config.json").read_text())
+    (weights / "pytorch_model.bin").write_bytes(b"not a pickle at all")
+    inp = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    code, lines = cli(
+        "run", "--model", str(weights), "--input", str(inp), "--output", str(tmp_path / "w")
+    )
+    assert code == 2 and len(lines) == 1 and "could not load model" in lines[0], lines
+
+
+def test_an_unexpected_error_is_one_line_and_a_log(base, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("BATCHGEN_HOME", str(tmp_path / "home"))
+
+    def broken(*args, **kwargs):
+        raise KeyError("something internal")
+
+    monkeypatch.setattr("batchgen.job.run_job", broken)
+    code, lines = cli("run", *base, "--output", str(tmp_path / "out"))
+    assert code == EXIT_INTERNAL_ERROR and len(lines) == 1, lines
+    assert "internal error (KeyError" in lines[0] and "traceback is in" in lines[0]
+    log = Path(lines[0].rsplit("traceback is in ", 1)[1])
+    assert "Traceback" in log.read_text() and "something internal" in log.read_text()
+
+
+def test_parquet_rows_with_surrogates_and_deep_values(model_dir, tmp_path: Path) -> None:
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hi", "there"], "k": [1, 2]}), inp)
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", "sampling.max_new_tokens=2")
+    assert run_job(spec).complete and len(read_rows(tmp_path / "out")) == 2
+
+
+def test_a_lost_lock_stops_the_writer_then_the_rerun_completes(
+    model_dir, tmp_path: Path, monkeypatch
+) -> None:
+    """A run whose lock file is removed under it (another run could take the directory) writes
+    no further shard."""
+    from batchgen.io.checkpoint import DirectoryLock
+
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(20)])
+    out = tmp_path / "out"
+    sets = ("output.shard_rows=4", "sampling.max_new_tokens=6", "runtime.max_num_seqs=4")
+    real_check = DirectoryLock.check
+    calls = [0]
+
+    def check(self: DirectoryLock) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            (out / "job.lock").unlink()
+        real_check(self)
+
+    monkeypatch.setattr(DirectoryLock, "check", check)
+    with pytest.raises(BatchgenError, match="lost the lock"):
+        run_job(spec_for(model, inp, out, *sets))
+    assert len(list((out / "shards").glob("part-*"))) == 1
+    monkeypatch.undo()
+    assert run_job(spec_for(model, inp, out, *sets)).complete
+    assert [r["index"] for r in read_rows(out)] == list(range(20))
