@@ -56,7 +56,12 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except BatchgenError as exc:
             _fail(exc)
-        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            click.echo(
+                "\nbatchgen: aborted; committed rows are kept: run again to resume", err=True
+            )
+            sys.exit(128 + signal.SIGINT)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except Exception as exc:
             log = _write_crash_log()

@@ -213,7 +213,9 @@ def _is(value: Any, kind: type) -> bool:
 
 def _name(kind: Any) -> str:
     if typing.get_origin(kind) is tuple:
-        return f"a list of {_name(typing.get_args(kind)[0])}"
+        item = typing.get_args(kind)[0]
+        plural = {int: "integers", float: "numbers", str: "strings"}.get(item, str(item))
+        return "a string or a list of strings" if item is str else f"a list of {plural}"
     return {
         int: "an integer",
         float: "a number",
