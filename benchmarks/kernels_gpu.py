@@ -21,9 +21,9 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from batchgen.engine.attention import AttentionMetadata, KVCache, ReferenceBackend
+from batchgen.engine.attention import AttentionMetadata, KVCache, LayerSpec, ReferenceBackend
+from batchgen.engine.attention.triton import TritonBackend
 from batchgen.engine.kernels import paged_decode, paged_prefill, plan_decode_splits, write_kv
-from batchgen.engine.triton_backend import TritonBackend
 
 PEAK_BW = 4.25e12  # bytes/s, H200 device copy (read + write)
 PEAK_FLOPS = 790e12  # bf16 matmul
@@ -88,7 +88,8 @@ def reference(q: torch.Tensor, p: Paged, q_lens: list[int], window: int | None) 
         backend=backend,
     )
     kv = torch.zeros(cu[-1], k.shape[2], k.shape[3], device="cuda")
-    return backend.forward(0, q[: cu[-1]].float(), kv, kv, meta, q.shape[-1] ** -0.5, window)
+    spec = LayerSpec(scale=q.shape[-1] ** -0.5, window=window)
+    return backend.forward(0, q[: cu[-1]].float(), kv, kv, meta, spec)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -257,11 +258,11 @@ def bench_host_overhead() -> Row:
     q = torch.randn(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = q[:, :kv_heads], q[:, kv_heads : 2 * kv_heads]
     for _ in range(3):  # compile
-        backend.forward(0, q, k, v, meta, head_dim**-0.5, None)
+        backend.forward(0, q, k, v, meta, LayerSpec(scale=head_dim**-0.5))
     torch.cuda.synchronize()
     started, calls = time.perf_counter(), 200
     for _ in range(calls):
-        backend.forward(0, q, k, v, meta, head_dim**-0.5, None)
+        backend.forward(0, q, k, v, meta, LayerSpec(scale=head_dim**-0.5))
     us = (time.perf_counter() - started) / calls * 1e6
     torch.cuda.synchronize()
     return Row("forward", "8b B=1 decode (host)", "kv_write+decode", us, "-", float("nan"),

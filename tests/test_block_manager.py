@@ -39,13 +39,13 @@ def test_cannot_allocate_past_capacity() -> None:
     assert bm.num_free_blocks == 2
 
 
-def test_append_slot_grows_at_block_boundary() -> None:
+def test_one_more_token_grows_at_block_boundary() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     r = make_request(0)
     bm.allocate(r, 4)
     r.num_computed_tokens = 4
-    assert bm.can_append(r)
-    bm.append_slot(r)
+    assert bm.can_allocate(r, 5)
+    bm.allocate(r, 5)
     assert len(r.block_table) == 2
 
 
@@ -66,9 +66,9 @@ def test_random_sequences_keep_invariants(seed: int) -> None:
                 assert len(r.block_table) == blocks_for(n, bm.block_size)
         elif op < 0.8 and live:
             r = rng.choice(live)
-            if bm.can_append(r):
+            if bm.can_allocate(r, r.num_computed_tokens + 1):
                 before = bm.num_free_blocks
-                bm.append_slot(r)
+                bm.allocate(r, r.num_computed_tokens + 1)
                 r.num_computed_tokens += 1
                 grew = r.num_computed_tokens % bm.block_size == 1 or bm.block_size == 1
                 assert bm.num_free_blocks == before - int(grew)

@@ -22,7 +22,6 @@ class RunResult(NamedTuple):
     tokens: list[list[int]]  # per request, in prompt order
     ttft: list[float]  # seconds from the start to each request's first token (empty if unknown)
     gpu_idle_share: float | None  # of steady (graphed) decode time
-    notes: str
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +76,7 @@ def run_batchgen(
     del engine, graphs
     gc.collect()
     torch.cuda.empty_cache()
-    return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle, ""), info
+    return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle), info
 
 
 def step_breakdown(timeline: list, wall_s: float) -> dict:
@@ -136,7 +135,6 @@ def run_hf_static(
         tokens,
         [],
         None,
-        "",
     )
 
 
@@ -171,7 +169,6 @@ def run_hf_generate_batch(
         tokens,
         ttft,
         None,
-        "",
     )
 
 

@@ -57,12 +57,6 @@ class BlockManager:
         if target.block_table:
             self._holders[id(target)] = target
 
-    def can_append(self, request: Request) -> bool:
-        return self.can_allocate(request, request.num_computed_tokens + 1)
-
-    def append_slot(self, request: Request) -> None:
-        self.allocate(request, request.num_computed_tokens + 1)
-
     def free(self, request: Request) -> None:
         for block in reversed(request.block_table):
             self._refs[block] -= 1

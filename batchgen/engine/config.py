@@ -31,6 +31,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
+    # compare the engine with the model's own forward pass on a probe input at start-up, and
+    # refuse a model it would run wrongly (off only for the engine's own tests)
+    check_model: bool = True
 
     def __post_init__(self) -> None:
         _check(

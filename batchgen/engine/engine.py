@@ -25,6 +25,7 @@ from batchgen.engine.model_loader import (
     resolve_device,
     resolve_dtype,
 )
+from batchgen.engine.probe import check_model
 from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
@@ -97,6 +98,8 @@ class Engine:
         self._owns_model = not adopted
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
+        if self.config.check_model:
+            check_model(self)  # a model batchgen would run wrongly is refused here
 
     # -- public API -------------------------------------------------------------------------
 
@@ -203,6 +206,9 @@ class Engine:
             self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # per-stream cuBLAS workspaces (graph capture made one)
+                clear()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:

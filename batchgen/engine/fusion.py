@@ -56,15 +56,22 @@ def _mlp_forward(module: nn.Module, kernel: Any) -> Any:
 
 
 class RopeSwap:
-    """Replaces the modeling file's apply_rotary_pos_emb with the fused kernel while active."""
+    """Replaces the modeling file's apply_rotary_pos_emb with the fused kernel while active.
+
+    The kernel computes rotate-half rotary embeddings. Whether the model's own function does
+    the same is not assumed: the first call computes both and compares them (interleaved
+    rotary, partial rotary or another signature differ), and the swap stays off for good
+    where they differ.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.module = sys.modules.get(type(model).__module__)
         self.original = getattr(self.module, "apply_rotary_pos_emb", None)
+        self.verified: bool | None = None  # None: not compared yet
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self.original is None:
+        if self.original is None or self.verified is False:
             yield
             return
         self.module.apply_rotary_pos_emb = self._fused
@@ -73,17 +80,30 @@ class RopeSwap:
         finally:
             self.module.apply_rotary_pos_emb = self.original
 
-    def _fused(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused(self, *args: Any, **kwargs: Any) -> Any:
         from batchgen.engine.kernels.fused_ops import rope
 
-        if args or kwargs or cos.shape[-1] != q.shape[-1] or q.shape[0] != 1:
-            return self.original(q, k, cos, sin, *args, **kwargs)
-        return rope(q, cos, sin), rope(k, cos, sin)
+        if self.verified is False or kwargs or len(args) != 4:
+            return self.original(*args, **kwargs)
+        q, k, cos, sin = args
+        if cos.shape[-1] != q.shape[-1] or q.shape[0] != 1:
+            return self.original(*args, **kwargs)
+        fused = rope(q, cos, sin), rope(k, cos, sin)
+        if self.verified is None:
+            expected = self.original(*args)
+            self.verified = _close(fused, expected)
+            if not self.verified:
+                return expected
+        return fused
+
+
+def _close(got: tuple[torch.Tensor, ...], expected: Any) -> bool:
+    if not isinstance(expected, tuple) or len(expected) != len(got):
+        return False
+    for a, b in zip(got, expected, strict=True):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            return False
+        tol = 1e-5 if a.dtype == torch.float32 else 2e-2
+        if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
+            return False
+    return True

@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
-from batchgen.engine.attention import ATTENTION_NAME, register
+from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
 from batchgen.errors import BatchgenError
 
@@ -97,6 +102,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> P
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # missing files, bad weights (safetensors, pickle), offline hub
+            _refuse_unsupported_class(source, exc)
             raise BatchgenError(
                 f"could not load model '{model}' ({_first_line(exc)}): check the model folder "
                 "or hub id"
@@ -107,6 +113,24 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> P
         raise BatchgenError(
             f"model '{model}' does not fit on {device} in "
             f"{dtype} ({free} free): use a smaller model, another dtype or a larger device"
+        ) from exc
+
+
+def _refuse_unsupported_class(source: str, exc: BaseException) -> None:
+    """A model class that cannot take batchgen's attention at all (its attention classes are
+    chosen from a per-model table): refuse it by name of its family."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(source)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:
+        return
+    if not getattr(cls, "_supports_attention_backend", True):
+        raise BatchgenError(
+            f"batchgen cannot run {config.model_type} models exactly: {cls.__name__} does not "
+            "route attention through transformers' attention interface"
         ) from exc
 
 
@@ -139,18 +163,77 @@ def load_tokenizer(model: str | Path | PreTrainedModel) -> Any:
         ) from exc
 
 
+SHAPE_PROBE = "batchgen-shape-probe"
+
+
 def model_shape(model: PreTrainedModel) -> ModelShape:
+    """Layers, heads and KV head width, measured from the tensors the model's layers hand to
+    attention on a two-token forward pass (not read off config fields, which families name
+    and use differently). Keys and values of unequal width (multi-head latent attention)
+    share the wider one. BatchgenError for a model whose layers do not hand attention to
+    transformers' attention interface, or whose layers differ in attention shape."""
     config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    family = getattr(config, "model_type", None) or type(model).__name__
+    seen = _attention_calls(model, family)
+    shapes = set(seen.values())
+    if len(shapes) != 1:
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly: their layers differ in attention "
+            f"shape ({sorted(shapes)}), and batchgen's KV cache has one shape for all layers"
+        )
+    heads, kv_heads, k_dim, v_dim = shapes.pop()
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    missing = sorted(set(range(layers)) - set(seen))
+    if missing:
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly: layer(s) {missing} of {layers} mix "
+            "tokens without attention (recurrent, convolutional or linear-attention layers: "
+            "batchgen keeps no state for them)"
+        )
+    if layers < len(seen) or any(not isinstance(i, int) or not 0 <= i < layers for i in seen):
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly: their attention layers are not "
+            f"numbered 0..num_hidden_layers-1 ({sorted(map(str, seen))})"
+        )
+    limit = getattr(config, "max_position_embeddings", None)
     return ModelShape(
-        num_layers=config.num_hidden_layers,
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
+        num_kv_heads=kv_heads,
+        head_dim=max(k_dim, v_dim),
         vocab_size=config.vocab_size,
-        max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 2**31 - 1,
+        max_position_embeddings=limit or 2**31 - 1,
     )
+
+
+@torch.inference_mode()
+def _attention_calls(model: PreTrainedModel, family: str) -> dict[Any, tuple[int, int, int, int]]:
+    """layer_idx -> (query heads, key heads, key dim, value dim) of each attention call."""
+    seen: dict[Any, tuple[int, int, int, int]] = {}
+
+    def record(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        layer = getattr(module, "layer_idx", f"#{len(seen)}")
+        seen[layer] = (query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+        return out, None
+
+    AttentionInterface.register(SHAPE_PROBE, record)
+    device = next(model.parameters()).device
+    try:
+        with attention_scope(model, SHAPE_PROBE):
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+    except Exception as exc:
+        if not seen:
+            raise BatchgenError(
+                f"batchgen cannot run {family} models exactly: their layers do not hand "
+                f"attention to transformers' attention interface ({type(exc).__name__})"
+            ) from exc
+    if not seen:
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly: their layers do not hand attention "
+            "to transformers' attention interface (recurrent or custom sequence mixing)"
+        )
+    return seen
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

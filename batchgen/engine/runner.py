@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from functools import partial
 from itertools import pairwise
 
@@ -16,6 +17,7 @@ from batchgen.engine.attention import (
     KVCache,
     ReferenceBackend,
     attention_scope,
+    step_context,
 )
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
@@ -87,15 +89,31 @@ def check_backend(config: EngineConfig, device: torch.device) -> str:
 def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
     if check_backend(config, device) == "reference":
         return ReferenceBackend()
-    from batchgen.engine.triton_backend import TritonBackend
+    from batchgen.engine.attention.triton import TritonBackend
 
     return TritonBackend()
+
+
+def _capture_or_explain(runner: ModelRunner) -> tuple[DecodeGraphs | None, str | None]:
+    """Decode graphs, or (None, why) when the model's forward cannot be captured (a layer
+    that copies from the host or synchronizes, e.g. some mixture-of-experts kernels): its
+    decode steps then run eagerly, with the same results."""
+    try:
+        return DecodeGraphs(runner, runner.config.cuda_graph_batch_sizes), None
+    except Exception as exc:  # capture failed: leave the device usable and run eagerly
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(runner.device)
+        text = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+        note = f"CUDA graphs are off for this model, decode steps run eagerly ({reason})"
+        warnings.warn(f"batchgen: {note}", stacklevel=2)
+        return None, note
 
 
 def _triton_type() -> type:
     if not _has_triton():
         return type(None)
-    from batchgen.engine.triton_backend import TritonBackend
+    from batchgen.engine.attention.triton import TritonBackend
 
     return TritonBackend
 
@@ -129,7 +147,6 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.shape = model_shape(model)
-        self.max_model_len = max_model_len
         s = self.shape
         # one extra block: the scratch block that padding rows read and write
         self.kv_cache = KVCache.allocate(
@@ -166,12 +183,13 @@ class ModelRunner:
             self.fused = fuse_modules(model)
             self.rope = RopeSwap(model).active
         self.graphs: DecodeGraphs | None = None
+        self.graph_note: str | None = None  # why decode steps run eagerly, when graphs failed
         if (
             device.type == "cuda"
             and config.cuda_graphs
             and getattr(self.backend, "graphable", False)
         ):
-            self.graphs = DecodeGraphs(self, config.cuda_graph_batch_sizes)
+            self.graphs, self.graph_note = _capture_or_explain(self)
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> StepOutput:
@@ -213,13 +231,14 @@ class ModelRunner:
         """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
         step = unpack_step(flat, host.layout)
         ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
-        with self.rope(), self.scope():
+        meta = self._metadata(host, step)
+        with self.rope(), self.scope(), step_context(meta):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=step.positions[None],
                 logits_to_keep=step.sample_idx,
                 use_cache=False,
-                batchgen_meta=self._metadata(host, step),
+                batchgen_meta=meta,
             )
         return out.logits[0]
 

@@ -23,13 +23,14 @@ NO_WINDOW = 1 << 30  # window passed to the kernels when there is none (> any co
 
 
 @triton.jit
-def _split_range(ctx, window, split, num_splits, min_partition, BLOCK_N: tl.constexpr):
+def _split_range(ctx, window, chunk, split, num_splits, min_partition, BLOCK_N: tl.constexpr):
     """Keys [start, end) of split(s) for a query at position ctx - 1 (start >= end: none).
 
-    The visible keys [ctx - window, ctx) are cut from a BLOCK_N-aligned base into num_splits
-    partitions of max(min_partition, ceil(visible / num_splits)) keys, rounded to BLOCK_N.
+    The visible keys [max(ctx - window, chunk start), ctx) are cut from a BLOCK_N-aligned base
+    into num_splits partitions of max(min_partition, ceil(visible / num_splits)) keys, rounded
+    to BLOCK_N.
     """
-    lo = tl.maximum(ctx - window, 0)
+    lo = tl.maximum(tl.maximum(ctx - window, 0), (tl.maximum(ctx, 1) - 1) // chunk * chunk)
     base = lo // BLOCK_N * BLOCK_N
     part = tl.cdiv(tl.cdiv(ctx - base, num_splits), BLOCK_N) * BLOCK_N
     part = tl.maximum(part, min_partition)
@@ -47,6 +48,24 @@ def kv_row_offsets(
 
 
 @triton.jit
+def scores_log2(q, k, scale_log2, softcap_log2, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """q: [M, D], k: [N, D] -> [M, N] log2-scaled scores; soft-capped as
+    softcap * tanh(score / softcap) when HAS_SOFTCAP (softcap_log2 = softcap * log2(e))."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if HAS_SOFTCAP:
+        s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))  # tanh
+    return s
+
+
+@triton.jit
+def add_sink(m_i, l_i, acc, sink_log2):
+    """Fold a per-row sink logit into the softmax denominator: -> (l, acc) rescaled to it."""
+    m_new = tl.maximum(m_i, sink_log2)
+    alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+    return l_i * alpha + tl.exp2(sink_log2 - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """s: [M, N] log2-scaled scores (-inf = masked), v: [N, D]; running max/sum/acc per row."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -58,7 +77,7 @@ def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["window", "min_partition"])
+@triton.jit(do_not_specialize=["window", "chunk", "softcap_log2", "min_partition"])
 def _decode_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]; v_cache has the same strides
@@ -67,8 +86,11 @@ def _decode_kernel(
     context_lens_ptr,  # [B] int32
     out_ptr,  # [B, H, D] (DIRECT: one split) or [B, H, S, D] fp32 partials
     lse_ptr,  # [B, H, S] fp32 log2-sum-exp of each partial (unused when DIRECT)
+    sinks_ptr,  # [H] fp32 per-head sink logits (read when HAS_SINKS and DIRECT)
     scale_log2,
     window,
+    chunk,
+    softcap_log2,
     min_partition,
     stride_qb,
     stride_qh,
@@ -87,13 +109,15 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start, end = _split_range(ctx, window, split, tl.num_programs(2), min_partition, BLOCK_N)
+    start, end = _split_range(ctx, window, chunk, split, tl.num_programs(2), min_partition, BLOCK_N)
     if not DIRECT:  # noqa: SIM102 (compile-time branch around a runtime one)
         if start >= end:
             return  # no keys here: the combine skips this split
@@ -114,9 +138,12 @@ def _decode_kernel(
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + head_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + head_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        s = scores_log2(q, k, scale_log2, softcap_log2, HAS_SOFTCAP, PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION)
+    if HAS_SINKS and DIRECT:  # with splits, the combine adds the sink once
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * 1.4426950408889634
+        l_i, acc = add_sink(m_i, l_i, acc, sink)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (ctx 0): zeros
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -125,13 +152,15 @@ def _decode_kernel(
         tl.store(lse_ptr + lse_row + split, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
+@triton.jit(do_not_specialize=["window", "chunk", "min_partition", "num_splits"])
 def _combine_kernel(
     part_ptr,  # [B, H, S, D] fp32, normalized partial outputs
     lse_ptr,  # [B, H, S] fp32
     context_lens_ptr,  # [B] int32
+    sinks_ptr,  # [H] fp32 (read when HAS_SINKS)
     out_ptr,  # [B, H, D]
     window,
+    chunk,
     min_partition,
     num_splits,
     stride_ob,
@@ -140,21 +169,27 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    start, end = _split_range(ctx, window, s, num_splits, min_partition, BLOCK_N)
+    start, end = _split_range(ctx, window, chunk, s, num_splits, min_partition, BLOCK_N)
     valid = (start < end) & (s < num_splits)  # [BLOCK_S] splits the decode kernel wrote
     row = (b * tl.num_programs(1) + h) * num_splits
     lse = tl.load(lse_ptr + row + s, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
     part_ptrs = part_ptr + (row + s[:, None]) * HEAD_DIM + d[None, :]
     part = tl.load(part_ptrs, mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
     o = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -188,6 +223,9 @@ def paged_decode(
     scale: float,
     *,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_seqs: int | None = None,
     num_splits: int = 1,
     min_partition: int = 256,
@@ -201,7 +239,9 @@ def paged_decode(
     q: [>= B, H, D] (any strides); row b < B = num_seqs (default q.shape[0]) is sequence b's
     query, at position context_lens[b] - 1. Caches: [num_blocks, block_size, Hkv, D] (same
     strides). block_tables: [>= B, W] int32; context_lens: [>= B] int32, read on the device
-    (0 gives zeros). window: keys with q_pos - k_pos >= window are masked. Each sequence's
+    (0 gives zeros). window: keys with q_pos - k_pos >= window are masked; chunk: keys before
+    q_pos // chunk * chunk are masked; softcap: scores -> softcap * tanh(scores / softcap);
+    sinks: [H] fp32 logits in each head's softmax denominator. Each sequence's
     visible keys are cut into num_splits partitions of >= min_partition keys (a multiple of
     block_n). out: optional [>= B, H, D] buffer (contiguous last dim); rows >= B untouched.
     """
@@ -211,25 +251,29 @@ def paged_decode(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     consts = _decode_consts(q, k_cache, block_n, num_splits, num_warps, num_stages)
+    consts |= {"HAS_SOFTCAP": softcap is not None, "HAS_SINKS": sinks is not None}
     grid = (num_seqs, k_cache.shape[2], num_splits)
     args = (q, k_cache, v_cache, block_tables, context_lens)
-    sizes = (scale * LOG2E, window or NO_WINDOW, min_partition, *q.stride()[:2])
+    masks = (window or NO_WINDOW, chunk or NO_WINDOW)
+    sizes = (scale * LOG2E, *masks, (softcap or 0.0) * LOG2E, min_partition, *q.stride()[:2])
     strides = (*k_cache.stride()[:3], *block_tables.stride())
+    sink_ptr = sinks if sinks is not None else context_lens  # never read without sinks
     if num_splits == 1:
         ostrides = (*out.stride()[:2], 0)
-        _decode_kernel[grid](*args, out, out, *sizes, *strides, *ostrides, **consts)
+        _decode_kernel[grid](*args, out, out, sink_ptr, *sizes, *strides, *ostrides, **consts)
         return out
     num_heads, head_dim = q.shape[1:]
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
-    _decode_kernel[grid](*args, part, lse, *sizes, *strides, *part.stride()[:3], **consts)
+    _decode_kernel[grid](*args, part, lse, sink_ptr, *sizes, *strides, *part.stride()[:3], **consts)
     _combine_kernel[(num_seqs, num_heads)](
-        part, lse, context_lens, out, window or NO_WINDOW, min_partition, num_splits,
+        part, lse, context_lens, sink_ptr, out, *masks, min_partition, num_splits,
         *out.stride()[:2],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 

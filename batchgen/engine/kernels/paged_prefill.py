@@ -16,11 +16,13 @@ import triton.language as tl
 from batchgen.engine.kernels.paged_decode import (
     LOG2E,
     NO_WINDOW,
+    add_sink,
     check_paged_args,
     dot_precision,
     kv_row_offsets,
     online_softmax_step,
     output_buffer,
+    scores_log2,
 )
 
 
@@ -40,7 +42,7 @@ def _find_seq(cu_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["window", "first_seq", "num_seqs"])
+@triton.jit(do_not_specialize=["window", "chunk", "softcap_log2", "first_seq", "num_seqs"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]; v_cache has the same strides
@@ -49,8 +51,11 @@ def _prefill_kernel(
     cu_seqlens_ptr,  # [B + 1] int32, absolute token offsets
     context_lens_ptr,  # [B] int32
     out_ptr,  # [T, H, D]
+    sinks_ptr,  # [H] fp32 per-head sink logits (read when HAS_SINKS)
     scale_log2,
     window,
+    chunk,
+    softcap_log2,
     first_seq,
     num_seqs,
     stride_qt,
@@ -68,6 +73,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -88,7 +95,9 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=io_mask)
     q_pos = ctx - q_len + rows  # [BLOCK_M] position of each query
     hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the last row are never seen
-    lo = tl.maximum(ctx - q_len + m0 - window + 1, 0)  # nor before the first row's window
+    first = ctx - q_len + m0  # nor before the first row's window or chunk
+    lo = tl.maximum(tl.maximum(first - window + 1, 0), first // chunk * chunk)
+    q_chunk = q_pos // chunk * chunk  # [BLOCK_M] first key each row's chunk lets it see
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -103,10 +112,14 @@ def _prefill_kernel(
         kv_mask = (pos < hi)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + row_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + row_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        s = scores_log2(q, k, scale_log2, softcap_log2, HAS_SOFTCAP, PRECISION)
         delta = q_pos[:, None] - pos[None, :]  # [BLOCK_M, BLOCK_N]; seen: 0 <= delta < window
-        s = tl.where((delta >= 0) & (delta < window) & (pos < hi)[None, :], s, float("-inf"))
+        seen = (delta >= 0) & (delta < window) & (pos[None, :] >= q_chunk[:, None])
+        s = tl.where(seen & (pos < hi)[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], tl.float32) + sink)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -125,6 +138,9 @@ def paged_prefill(
     first_seq: int = 0,
     num_seqs: int | None = None,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
@@ -136,8 +152,8 @@ def paged_prefill(
     q: [T, H, D] (any strides; token rows indexed by the absolute cu_seqlens_q [B + 1] int32).
     Sequence s's queries are the last (cu[s + 1] - cu[s]) of its context_lens[s] positions.
     num_tokens: cu[first_seq + num_seqs] - cu[first_seq], known on the host (it sizes the grid).
-    num_seqs defaults to all sequences from first_seq. window: keys with q_pos - k_pos >= window
-    are masked. Returns out [T, H, D] (q's dtype); rows outside the sequences are untouched.
+    num_seqs defaults to all sequences from first_seq. window, chunk, softcap, sinks: as in
+    paged_decode. Returns out [T, H, D] (q's dtype); rows outside the sequences are untouched.
     """
     num_seqs = len(cu_seqlens_q) - 1 - first_seq if num_seqs is None else num_seqs
     _, num_heads, head_dim = q.shape
@@ -149,7 +165,9 @@ def paged_prefill(
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, window or NO_WINDOW, first_seq, num_seqs,
+        sinks if sinks is not None else context_lens,  # never read without sinks
+        scale * LOG2E, window or NO_WINDOW, chunk or NO_WINDOW, (softcap or 0.0) * LOG2E,
+        first_seq, num_seqs,
         *q.stride()[:2], *k_cache.stride()[:3], *block_tables.stride(), *out.stride()[:2],
         GROUP=num_heads // k_cache.shape[2],
         HEAD_DIM=head_dim,
@@ -157,6 +175,8 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1],
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

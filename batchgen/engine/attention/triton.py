@@ -13,7 +13,7 @@ from itertools import pairwise
 
 import torch
 
-from batchgen.engine.attention import AttentionMetadata
+from batchgen.engine.attention.base import AttentionMetadata, LayerSpec
 
 PROGRAMS_PER_SM = 4  # decode programs wanted per SM before the KV range is split further
 CPU_TARGET_PROGRAMS = 8  # the interpreter has no SMs: a small number keeps tests quick
@@ -96,18 +96,19 @@ class TritonBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
+        spec: LayerSpec,
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; also writes k/v into the cache."""
         plan, kern, tune = self.plan(meta), self.kernels, self.tuning
+        scale, window = spec.scale, spec.window
+        extra = {"chunk": spec.chunk, "softcap": spec.softcap, "sinks": spec.sinks}
         k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
         kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.num_decodes:
             kern.paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits,
+                window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits, **extra,
                 min_partition=tune.decode_min_partition, out=out, block_n=tune.decode_block_n,
                 num_warps=tune.decode_num_warps, num_stages=tune.decode_num_stages,
             )  # fmt: skip
@@ -115,7 +116,7 @@ class TritonBackend:
             kern.paged_prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                 scale, num_tokens=plan.num_prefill_tokens, first_seq=plan.num_decodes,
-                num_seqs=plan.num_prefills, window=window, out=out,
+                num_seqs=plan.num_prefills, window=window, out=out, **extra,
                 block_m=plan.prefill_block_m, block_n=tune.prefill_block_n,
                 num_warps=tune.prefill_num_warps, num_stages=tune.prefill_num_stages,
             )  # fmt: skip

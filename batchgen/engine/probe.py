@@ -1,0 +1,133 @@
+"""Before any real request: check that batchgen runs the model as the model itself would.
+
+A model is refused, with one line naming its family and the reason, when
+- a layer mixes tokens without going through transformers' attention interface (recurrent,
+  convolutional or linear-attention layers: batchgen keeps no state for them),
+- a layer asks attention for something batchgen does not implement (an argument it passes),
+- or batchgen's log-probabilities on a probe input differ from the model's own forward pass
+  (its eager attention, unfused modules) by more than the dtype's rounding.
+The probe: fixed random prompts prefilled together in one step, then decoded a few steps, so
+the packed prefill, the paged cache and the decode path are all compared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgen.engine.attention import attention_audit, attention_scope
+from batchgen.engine.fusion import fuse_modules, unfuse_modules
+from batchgen.engine.request import Prompt
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.errors import BatchgenError
+
+if TYPE_CHECKING:
+    from batchgen.engine.engine import Engine
+
+PROBE_LENGTHS = (11, 37)  # prompt tokens of the probe requests
+PROBE_NEW_TOKENS = 3
+PROBE_TOP = 5  # alternatives compared at each position
+RELEVANT_LOGPROB = -12.0  # entries less likely than this are rounding noise in any dtype
+TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6}  # |logprob difference| allowed
+TOLERANCE_16BIT = 0.6
+
+
+class ModelRefused(BatchgenError):
+    """batchgen would run this model wrongly; the message names the family and the reason."""
+
+
+def check_model(engine: Engine) -> None:
+    """Raise ModelRefused unless the engine reproduces the model's own forward pass."""
+    family = getattr(engine.model.config.get_text_config(), "model_type", "this") or "this"
+    prompts = _probe_prompts(engine)
+    params = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, logprobs=PROBE_TOP)
+    with attention_audit() as audit:
+        try:
+            outs = list(engine.generate(prompts, params, decode=False))
+        except Exception as exc:  # the model's forward breaks under batchgen's attention
+            raise _refuse(family, f"its forward pass fails under batchgen ({_line(exc)})") from exc
+    if audit.unsupported:
+        name, module = next(iter(audit.unsupported.items()))
+        raise _refuse(
+            family, f"{module} passes {name!r} to attention, which batchgen does not implement"
+        )
+    missing = sorted(set(range(engine.shape.num_layers)) - audit.layers)
+    if missing:
+        raise _refuse(
+            family,
+            f"layer(s) {missing} of {engine.shape.num_layers} mix tokens without attention "
+            "(recurrent, convolutional or linear-attention layers: batchgen keeps no state "
+            "for them)",
+        )
+    failed = [o for o in outs if o.error]
+    if failed:
+        raise _refuse(family, f"the probe request failed ({failed[0].error})")
+    worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
+    limit = TOLERANCE.get(engine.dtype, TOLERANCE_16BIT)
+    if worst > limit:
+        raise _refuse(
+            family,
+            f"its outputs under batchgen differ from its own forward pass (log-probability off "
+            f"by {worst:.3g}, more than {engine.dtype} rounding explains): it needs something "
+            "batchgen's attention does not implement",
+        )
+
+
+def _probe_prompts(engine: Engine) -> list[Prompt]:
+    room = max(2, engine.max_model_len - PROBE_NEW_TOKENS - 1)
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.shape.vocab_size
+    return [
+        Prompt(torch.randint(0, vocab, (min(n, room),), generator=generator).tolist(), f"probe-{i}")
+        for i, n in enumerate(PROBE_LENGTHS)
+    ]
+
+
+def _paired(prompts: list[Prompt], outs: list[Any]) -> list[tuple[Prompt, Any]]:
+    by_id = {o.request_id: o for o in outs}
+    return [(p, by_id[p.request_id]) for p in prompts]
+
+
+@torch.inference_mode()
+def _difference(engine: Engine, prompt: Prompt, out: Any) -> float:
+    """Largest |logprob| gap between batchgen and the model's own forward pass over the
+    generated positions (chosen tokens and the top alternatives)."""
+    sequence = [*prompt.prompt, *out.output_token_ids]
+    reference = _reference_logprobs(engine, sequence)
+    worst = 0.0
+    for j, step in enumerate(out.logprobs):
+        row = reference[len(prompt.prompt) + j - 1]
+        for token, value in (
+            (step.token_id, step.logprob),
+            *zip(step.top_ids, step.top_logprobs, strict=True),
+        ):
+            expected = float(row[token])
+            if max(expected, value) > RELEVANT_LOGPROB:
+                worst = max(worst, abs(expected - value))
+    return worst
+
+
+def _reference_logprobs(engine: Engine, sequence: list[int]) -> torch.Tensor:
+    """[len(sequence), vocab] float32 log-softmax of the model's own forward pass: its eager
+    attention and its own (unfused) modules."""
+    model = engine.model
+    fused = engine.runner.fused
+    unfuse_modules(fused)
+    try:
+        with attention_scope(model, "eager"):
+            ids = torch.tensor([sequence], device=engine.device)
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+    finally:
+        if fused:
+            engine.runner.fused = fuse_modules(model)
+    return logits.float().log_softmax(dim=-1).cpu()
+
+
+def _refuse(family: str, reason: str) -> ModelRefused:
+    return ModelRefused(f"batchgen cannot run {family} models exactly: {reason}")
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -1,0 +1,124 @@
+"""Every Hugging Face decoder family either runs exactly (greedy tokens equal to its own
+`generate` with eager attention, through mixed prefill/decode steps, chunked prefill and
+preemption) or is refused with one line before any output exists."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.engine.attention import hf_adapter
+from tests.families import FAMILIES, VOCAB, build_family_model
+
+# families whose layers batchgen cannot run exactly, and the reason each is refused for
+REFUSED = {
+    "mpt": "do not hand attention to transformers' attention interface",
+    "bloom": "do not hand attention to transformers' attention interface",
+    "mamba": "do not hand attention to transformers' attention interface",
+    "falcon": "does not route attention through transformers' attention interface",
+    "gpt_neo": "does not route attention through transformers' attention interface",
+    "jamba": "mix tokens without attention",
+    "lfm2": "mix tokens without attention",
+    "qwen3_next": "mix tokens without attention",
+}
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("families")
+
+    def build(family: str) -> Path:
+        if family not in cache:
+            cache[family] = build_family_model(family, root / family)
+        return cache[family]
+
+    return build
+
+
+def probe_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(5, VOCAB) for _ in range(rng.randint(3, 80))] for _ in range(8)]
+
+
+def engine_config(**overrides) -> EngineConfig:
+    # a 64-token budget: prefill chunks and decodes share steps; 16 blocks of 16: preemption
+    base = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8}
+    return EngineConfig(**{**base, "max_num_batched_tokens": 64, "num_kv_blocks": 16, **overrides})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_runs_exactly_or_is_refused(family_dir, family: str) -> None:
+    path = family_dir(family)
+    if family in REFUSED:
+        with pytest.raises(BatchgenError) as info:
+            Engine(path, engine_config())
+        message = str(info.value)
+        assert "\n" not in message and f"cannot run {family.split('-')[0]} models" in message
+        assert REFUSED[family] in message, message
+        return
+    engine = Engine(path, engine_config())
+    prompts = probe_prompts()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
+    assert engine.scheduler.num_preemptions > 0, "the small cache forces preemption"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert outs[str(i)].output_token_ids == ref, (family, i)
+
+
+def test_a_refused_model_leaves_no_output(family_dir, tmp_path: Path) -> None:
+    from tests.test_job import spec_for, write_jsonl
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    spec = spec_for(family_dir("jamba"), inp, tmp_path / "out")
+    from batchgen.job import run_job
+
+    with pytest.raises(BatchgenError, match="cannot run jamba models exactly"):
+        run_job(spec)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_attention_argument_batchgen_ignores_is_refused(family_dir, monkeypatch) -> None:
+    """The guard is general: any argument a layer passes that batchgen does not implement."""
+    monkeypatch.setattr(hf_adapter, "HANDLED_KWARGS", hf_adapter.HANDLED_KWARGS - {"softcap"})
+    with pytest.raises(BatchgenError, match="passes 'softcap' to attention"):
+        Engine(family_dir("gemma2"), engine_config())
+
+
+def test_a_wrong_attention_is_refused_by_the_probe(family_dir, monkeypatch) -> None:
+    """Dropping a feature silently (here: the sinks) shows up as outputs that differ from the
+    model's own forward pass."""
+    real = hf_adapter.layer_spec
+
+    def without_sinks(*args, **kwargs):
+        return real(*args, **kwargs).__class__(**{**vars(real(*args, **kwargs)), "sinks": None})
+
+    monkeypatch.setattr(hf_adapter, "layer_spec", without_sinks)
+    with pytest.raises(BatchgenError, match="differ from its own forward pass"):
+        Engine(family_dir("gpt_oss"), engine_config())
+
+
+def test_the_cli_reports_a_refused_family_in_one_line(family_dir, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    args = ["run", "--model", str(family_dir("mamba")), "--input", str(inp)]
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "o"), "--quiet"])
+    lines = [x for x in result.output.splitlines() if x.startswith("batchgen:")]
+    assert result.exit_code == 2 and len(lines) == 1 and "cannot run mamba" in lines[0]
