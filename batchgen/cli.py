@@ -184,16 +184,13 @@ def run(
 @_guarded
 def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     """Check JOB and its input without loading the model; print the resolved spec."""
+    from batchgen.formats import input_format
     from batchgen.job import check_job
 
-    try:
-        spec = _load(job, sets, shortcuts)
-        source = check_job(spec)
-    except BatchgenError as exc:
-        _fail(exc)
+    spec = _load(job, sets, shortcuts)
+    source = check_job(spec)
     click.echo(json.dumps(spec.to_dict(), indent=2))
-    rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"
-    click.echo(f"ok: {source.description}, {rows} rows", err=True)
+    click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
 
 @main.group()

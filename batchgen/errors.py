@@ -3,3 +3,10 @@
 
 class BatchgenError(Exception):
     """A problem with what the user asked for: the message says what was wrong and what to do."""
+
+
+def check_field(ok: bool, name: str, value: object, allowed: str) -> None:
+    """A config field's rule: ValueError "name=value is not allowed: use allowed" unless ok.
+    (Config dataclasses call it in __post_init__; the spec loader adds the section.)"""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")

@@ -20,10 +20,11 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen.engine import NOT_READY, Engine, Prompt
+from batchgen.engine.attention.select import check_backend
 from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
-from batchgen.engine.runner import check_backend
 from batchgen.errors import BatchgenError
-from batchgen.io import InputSource, OutputLayout, ShardWriter, open_input
+from batchgen.formats import input_format
+from batchgen.io import InputSource, OutputLayout, ShardWriter
 from batchgen.io.atomic import write_json_atomic
 from batchgen.io.checkpoint import (
     IDENTITY_PARTS,
@@ -37,19 +38,10 @@ from batchgen.io.checkpoint import (
     scan_committed,
     write_manifest,
 )
-from batchgen.io.final import write_final
-from batchgen.io.openai_batch import (
-    ID_COLUMN,
-    OPENAI_BATCH,
-    PASSTHROUGH,
-    RequestBuilder,
-    check_prompt_config,
-)
-from batchgen.io.openai_results import write_openai_results
 from batchgen.io.output_location import check_output_outside_input
-from batchgen.io.output_schema import RESERVED, output_columns, shard_schema
+from batchgen.io.output_schema import output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
-from batchgen.prompts import PromptBuilder, RowPrompt
+from batchgen.prompts import RowPrompt
 from batchgen.spec import JobSpec
 
 IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs nothing
@@ -78,43 +70,27 @@ def check_job(spec: JobSpec, source: InputSource | None = None) -> InputSource:
 
     source: an input opened by the caller (an in-process dataset); None = open spec.input.
     """
-    if spec.input.format == OPENAI_BATCH:
-        check_prompt_config(spec.prompt)
+    fmt = input_format(spec.input.format)
+    fmt.check(spec)
     check_backend(spec.engine, resolve_device(spec.engine))  # before any model work
     if source is None:
-        source = open_input(spec.input)
+        source = fmt.open(spec)
         check_output_outside_input(Path(spec.output.dir), spec.input, source)
         if source.num_rows == 0:
             raise BatchgenError(
                 f"input {spec.input.path!r} holds no rows ({source.description}): nothing to do"
             )
-    if spec.input.format == OPENAI_BATCH:
-        return source
-    needed = spec.prompt.columns_used()
-    if source.sampled:  # JSONL: a column the first rows lack may come later, rows vary
-        needed = spec.prompt.required_columns() if source.columns else []
-    missing = [c for c in needed if source.columns is not None and c not in source.columns]
-    if missing:
-        raise BatchgenError(
-            f"input has no column {missing[0]!r} (columns: "
-            f"{', '.join(source.columns)}): fix [prompt] or the input"
-        )
-    clash = [c for c in spec.prompt.passthrough if c in RESERVED]
-    if clash:
-        raise BatchgenError(
-            f"pass-through column {clash[0]!r} would overwrite an output column: "
-            "rename it in the input"
-        )
+    fmt.check_columns(spec, source)
     return source
 
 
 def job_columns(spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
     """The job's fixed output columns: batchgen's own, then the pass-through ones."""
-    openai = spec.input.format == OPENAI_BATCH
-    logprobs = openai or spec.sampling.logprobs is not None or spec.prompt.sampling_column
-    own = output_columns(logprobs=bool(logprobs), token_ids=spec.output.include_token_ids)
-    names = PASSTHROUGH if openai else spec.prompt.passthrough
-    passthrough = {name: source.types.get(name) for name in names}
+    fmt = input_format(spec.input.format)
+    own = output_columns(
+        logprobs=fmt.may_ask_logprobs(spec), token_ids=spec.output.include_token_ids
+    )
+    passthrough = fmt.passthrough(spec, source)
     return shard_schema(own, passthrough, input_hash=source.fingerprint() is None)
 
 
@@ -303,9 +279,7 @@ def _verify_rows(spec: JobSpec, source: InputSource, committed: Committed) -> No
 
 
 def _read_columns(spec: JobSpec) -> list[str] | None:
-    if spec.input.format == OPENAI_BATCH:
-        return None
-    return spec.prompt.columns_used() or None
+    return input_format(spec.input.format).read_columns(spec)
 
 
 def _run_pipeline(
@@ -378,10 +352,8 @@ def _write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
 
 def _prompt_stage(spec: JobSpec, engine: Engine) -> tuple[Any, str | None]:
     """-> (the row -> prompt builder, the id column)."""
-    args = (engine.tokenizer, engine.max_model_len - 1, spec.sampling)
-    if spec.input.format == OPENAI_BATCH:
-        return RequestBuilder(spec.prompt, *args, served_names=spec.model.names), ID_COLUMN
-    return PromptBuilder(spec.prompt, *args), spec.prompt.id_column
+    fmt = input_format(spec.input.format)
+    return fmt.builder(spec, engine.tokenizer, engine.max_model_len - 1), fmt.id_column(spec)
 
 
 def _drive_engine(
@@ -394,8 +366,7 @@ def _drive_engine(
 ) -> None:
     """The engine thread: prompts in, finished requests out to the writer. It never waits
     for the tokenizer while the engine has work, and stops at once if the writer fails."""
-    in_flight: dict[int, RowPrompt] = {}
-    finished: dict[int, int] = {}  # samples finished so far, for prompts with n > 1
+    in_flight: dict[str, RowPrompt] = {}  # request id -> its row, until its last sample
 
     def prompts() -> Any:
         held: RowPrompt | None = None  # a row the caller's admission held back
@@ -417,20 +388,16 @@ def _drive_engine(
             if row.error is not None:
                 consumer.queue.put((row, None))
                 continue
-            in_flight[row.index] = row
+            request_id = str(row.index)
+            in_flight[request_id] = row
             # a seed derived from runtime.seed follows the row's id, not its position
-            yield Prompt(row.prompt_ids, str(row.index), row.overrides or None, seed_key=row.id)
+            yield Prompt(row.prompt_ids, request_id, row.overrides or None, seed_key=row.id)
 
     for out in engine.generate(
         prompts(), spec.sampling, decode=False, stop=_either(stop, consumer)
     ):
-        index = int(out.request_id)
-        finished[index] = finished.get(index, 0) + 1
-        if finished[index] == out.num_samples:
-            del finished[index]
-            consumer.queue.put((in_flight.pop(index), out))
-        else:
-            consumer.queue.put((in_flight[index], out))
+        row = in_flight.pop(out.request_id) if out.last else in_flight[out.request_id]
+        consumer.queue.put((row, out))
         if consumer.failed.is_set():
             break
 
@@ -482,16 +449,9 @@ def _summary(stats: Stats, wall_s: float, resumed: bool, committed: int) -> dict
 
 
 def _write_results(spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
-    """The final file(s) in input order: results.<format>, or OpenAI results + errors files."""
-    fmt = spec.output.format
+    """The final file(s) in input order (the format decides which)."""
     try:
-        if spec.input.format == OPENAI_BATCH:
-            results, errors = layout.openai_results, layout.openai_errors
-            write_openai_results(layout, fmt, spec.model.names[0], results, errors)
-            return {"result_file": str(results), "error_file": str(errors)}
-        result = layout.results(fmt)
-        write_final(layout, fmt, result)
-        return {"result_file": str(result)}
+        return input_format(spec.input.format).write_results(spec, layout)
     except OSError as exc:
         raise _write_failed(exc, layout) from exc
 

@@ -191,10 +191,10 @@ class Consumer(threading.Thread):
             self.failed.set()
 
     def _collect(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
-        """Write an input row's samples together, once all of them have finished."""
+        """Write an input row's samples together, once the last of them has finished."""
         group = self._samples.setdefault(prompt.index, [])
         group.append(self._row(prompt, out))
-        if len(group) == (1 if out is None else out.num_samples):
+        if out is None or out.last:
             del self._samples[prompt.index]
             rows = sorted(group, key=lambda r: r["sample_index"])
             self.writer.add_group(rows)

@@ -8,6 +8,7 @@ an error naming the key.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import tomllib
 import types
 import typing
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError
 from batchgen.io import InputConfig, OutputConfig
 from batchgen.prompts import PromptConfig
@@ -104,6 +105,7 @@ def load_spec(
             raise BatchgenError(f"job file '{path}' is not valid TOML: {exc}") from exc
         except OSError as exc:
             raise BatchgenError(f"cannot read job file '{path}' ({exc.strerror})") from exc
+        _resolve_paths(table, file.parent)
     set_keys = []
     for item in overrides:
         set_keys.append(apply_override(table, item))
@@ -117,6 +119,24 @@ def load_spec(
         section, _, name = key.partition(".")
         table.setdefault(section, {})[name] = value
     return spec_from_table(table)
+
+
+def _resolve_paths(table: dict[str, Any], base: Path) -> None:
+    """Relative paths in a job file are relative to the file's folder: output.dir always;
+    input.path and model.path where something exists there (otherwise they may name a hub
+    dataset or model, or a path relative to the working directory)."""
+    for section, key, always in (("output", "dir", True), ("input", "path", False)):
+        value = table.get(section, {}).get(key) if isinstance(table.get(section), dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        joined = base / value
+        if always or glob.glob(str(joined)) or joined.exists():
+            table[section][key] = str(joined)
+    model = table.get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"]:
+        joined = base / model["path"]
+        if not Path(model["path"]).expanduser().is_absolute() and joined.exists():
+            model["path"] = str(joined)
 
 
 def apply_override(table: dict[str, Any], item: str) -> str:
@@ -165,6 +185,11 @@ def engine_config(overrides: list[str]) -> EngineConfig:
 def _build_section(section: str, values: Any, classes: tuple[type, ...]) -> list[Any]:
     if not isinstance(values, dict):
         raise BatchgenError(f"[{section}] must be a table of keys, not {type(values).__name__}")
+    if section == "sampling":
+        try:
+            values = resolve_aliases(values)
+        except ValueError as exc:
+            raise BatchgenError(f"[sampling] {exc}") from exc
     known = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:

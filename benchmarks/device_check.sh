@@ -1,40 +1,20 @@
 #!/usr/bin/env bash
-# One device call: GPU facts, kernel checks and timings, GPU tests, then batchgen benchmarks.
-#   bash benchmarks/device_check.sh PHASE   (PHASE: check | bench | full)
-# Logs and the results table go to $OUT (the device tool brings them back).
+# GPU checks and benchmarks, in two calls that each fit a 10-minute limit:
+#   bash benchmarks/device_check.sh tests   # GPU tests + kernel tests, then 8b W1 (all systems)
+#   bash benchmarks/device_check.sh bench   # 1b W1 (all systems), then 1b W2, W3, W4
+# Logs and the results tables go to $OUT.
 set -u
-phase=${1:-check}
+phase=${1:-tests}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BATCHGEN_HOME=/tmp/batchgen-home
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-if [ "$phase" = final ]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
+bench() { timeout "$1" python3 -m batchgen bench "${@:2}" --results "$OUT/results.md" 2>&1 | tail -16; }
+if [ "$phase" = tests ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
+  bench 300 --shape 8b --workload W1 --systems overlap,sync,hf-static,hf-batch
 fi
-if [ "$phase" = check ] || [ "$phase" = full ]; then
-  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
-  timeout 150 python3 benchmarks/kernels_gpu.py --quick 2>&1 | tee "$OUT/kernels.txt" | tail -30
-  timeout 120 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -14
-fi
-if [ "$phase" = confirm ]; then
-  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
-  timeout 100 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -12
-  timeout 100 python3 -m batchgen bench --shape 8b --workload W1 --systems overlap --results "$OUT/results.md" 2>&1 | tail -8
-fi
-if [ "$phase" = verify ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
-  timeout 100 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -12
-  timeout 120 python3 -m batchgen bench --shape 8b --workload W1 --systems overlap --results "$OUT/results.md" 2>&1 | tail -8
-fi
-if [ "$phase" = opt ]; then
-  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-  timeout 200 python3 -m batchgen bench --shape 8b --workload W1 --systems overlap,sync,hf-batch --results "$OUT/results.md" 2>&1 | tail -16
-  timeout 100 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync --results "$OUT/results.md" 2>&1 | tail -12
-fi
-if [ "$phase" = bench ] || [ "$phase" = full ] || [ "$phase" = final ]; then
-  timeout 240 python3 -m batchgen bench --shape 8b --workload W1 --systems overlap,sync,hf-static,hf-batch --results "$OUT/results.md" 2>&1 | tail -14
-  timeout 150 python3 -m batchgen bench --shape 1b --workload W1 --systems overlap,sync,hf-static,hf-batch --results "$OUT/results.md" 2>&1 | tail -14
-  for w in W2 W3 W4; do
-    timeout 50 python3 -m batchgen bench --shape 1b --workload $w --systems overlap --results "$OUT/results.md" 2>&1 | tail -6
-  done
+if [ "$phase" = bench ]; then
+  bench 200 --shape 1b --workload W1 --systems overlap,sync,hf-static,hf-batch
+  for w in W2 W3 W4; do bench 80 --shape 1b --workload $w --systems overlap; done
 fi

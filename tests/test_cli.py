@@ -86,3 +86,14 @@ def test_validate_prints_the_resolved_spec(prompts: Path, tmp_path: Path) -> Non
     spec = json.loads(output[: output.rindex("}") + 1])
     assert spec["sampling"]["top_k"] == 5 and spec["sampling"]["top_p"] == 1.0
     assert "ok:" in output and "1 rows" in output
+
+
+def test_a_job_file_runs_from_any_directory(tmp_path: Path, monkeypatch) -> None:
+    """Relative paths in a job file are the file's folder's, not the working directory's."""
+    jobs = Path(__file__).resolve().parent.parent / "jobs"
+    monkeypatch.chdir(tmp_path)
+    code, output = invoke("validate", str(jobs / "demo.toml"))
+    assert code == 0, output
+    spec = json.loads(output[: output.rindex("}") + 1])
+    assert Path(spec["input"]["path"]).resolve() == jobs / "demo_prompts.jsonl"
+    assert Path(spec["output"]["dir"]).resolve() == jobs.parent / "out" / "demo"

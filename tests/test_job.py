@@ -281,3 +281,15 @@ def test_an_output_directory_beside_the_input_is_fine(tmp_path: Path, monkeypatc
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"prompt": "hi"}])
     for pattern, out in (("d/*.jsonl", "d/out"), ("d", "d/_out"), ("d/a.jsonl", "o")):
         check_job(spec_for(Path("m"), Path(pattern), Path(out)))
+
+
+def test_vllm_sampling_names_and_a_lone_stop_string() -> None:
+    from batchgen import SamplingParams
+
+    base = ["input.path='x.jsonl'", "output.dir='o'"]
+    spec = load_spec(None, [*base, "sampling.max_tokens=7", "sampling.min_tokens=2"])
+    assert (spec.sampling.max_new_tokens, spec.sampling.min_new_tokens) == (7, 2)
+    assert load_spec(None, [*base, "sampling.stop='END'"]).sampling.stop == ("END",)
+    with pytest.raises(BatchgenError, match="max_tokens and max_new_tokens are the same"):
+        load_spec(None, [*base, "sampling.max_tokens=7", "sampling.max_new_tokens=8"])
+    assert SamplingParams().replace(max_tokens=3).max_new_tokens == 3

@@ -11,14 +11,14 @@ from click.testing import CliRunner
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
-from batchgen.io.openai_batch import parse_request
+from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.job import run_job
 from tests.helpers import stop_after
 from tests.test_job import spec_for, write_jsonl
 
 openai_types = pytest.importorskip("openai.types")
 pydantic = pytest.importorskip("pydantic")
-from openai.types import BatchError, Completion  # noqa: E402
+from openai.types import Completion, ErrorObject  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -32,13 +32,14 @@ class Response(pydantic.BaseModel):
 
 
 class OutputLine(pydantic.BaseModel):
-    """One line of an OpenAI Batch output or error file (the openai package has no type)."""
+    """One line of an OpenAI Batch output or error file (the openai package has no type):
+    a request's failure is its response, with a status code and an error body."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     id: str
     custom_id: str | None
-    response: Response | None
-    error: BatchError | None
+    response: Response
+    error: None
 
 
 def request(custom_id: Any, url: str = CHAT, **body: Any) -> dict[str, Any]:
@@ -52,12 +53,19 @@ def request(custom_id: Any, url: str = CHAT, **body: Any) -> dict[str, Any]:
 def read_lines(path: Path) -> list[OutputLine]:
     lines = [OutputLine.model_validate_json(x) for x in path.read_text().splitlines()]
     for line in lines:
-        if line.response is not None:
-            kind = (
-                ChatCompletion if line.response.body["object"] == "chat.completion" else Completion
-            )
-            line.response.body = kind.model_validate(line.response.body)
+        body = line.response.body
+        if line.response.status_code != 200:
+            assert set(body) == {"error"}
+            line.response.body = ErrorObject.model_validate(body["error"])
+            continue
+        kind = ChatCompletion if body["object"] == "chat.completion" else Completion
+        line.response.body = kind.model_validate(body)
     return lines
+
+
+def err(line: OutputLine) -> ErrorObject:
+    assert line.response.status_code in (400, 404)
+    return line.response.body
 
 
 def run(model: Path, inp: Path, out: Path, *sets: str, engine: Engine | None = None) -> Any:
@@ -78,7 +86,7 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
             request("c1", model="m-1", max_tokens=5, n=2, temperature=0.8, seed=3),
             request("c2", max_completion_tokens=4, logprobs=True, top_logprobs=2, stop=["\n"]),
             request("c3", messages=[{"role": "user", "content": parts}], seed=None),
-            request("t1", COMPLETIONS, max_tokens=6, logprobs=1, stop="zzz"),
+            request("t1", COMPLETIONS, max_tokens=6, logprobs=1, stop="zzz", temperature=0),
         ],
     )
     sets = ("sampling.ignore_eos=true", "output.format='jsonl'")
@@ -88,7 +96,7 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
     lines = read_lines(tmp_path / "out" / "results.jsonl")
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
     assert [x.custom_id for x in lines] == ["c1", "c2", "c3", "t1"]
-    assert all(x.error is None and x.response.status_code == 200 for x in lines)
+    assert all(x.response.status_code == 200 for x in lines)
     c1, c2, c3, t1 = (x.response.body for x in lines)
     assert isinstance(c1, ChatCompletion) and c1.model == "m-1" and c3.model == "served"
     assert [c.index for c in c1.choices] == [0, 1] and c1.usage.completion_tokens == 10
@@ -119,10 +127,10 @@ def test_a_line_for_another_model_is_an_error_line(model: Path, tmp_path: Path) 
     errors = read_lines(tmp_path / "out" / "errors.jsonl")
     assert [x.custom_id for x in ok] == ["mine", "none"]
     assert [x.response.body.model for x in ok] == [str(model), str(model)]
-    assert [(x.custom_id, x.error.code, x.error.param) for x in errors] == [
+    assert [(x.custom_id, err(x).code, err(x).param) for x in errors] == [
         ("other", "model_not_found", "model")
     ]
-    assert "gpt-4o-mini" in errors[0].error.message
+    assert errors[0].response.status_code == 404 and "gpt-4o-mini" in err(errors[0]).message
     aliased = run(model, inp, tmp_path / "aliased", "model.served_model_name='gpt-4o-mini'")
     assert aliased.complete
     ok = read_lines(tmp_path / "aliased" / "results.jsonl")
@@ -136,7 +144,7 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
         request("ok-1", max_tokens=3),
         request("ok-1", max_tokens=3),
         request("emb", "/v1/embeddings"),
-        request("tools", tools=[]),
+        request("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
         '{"custom_id": "broken", ',
         {**request("x"), "custom_id": None},
         {**request("get"), "method": "GET"},
@@ -152,12 +160,11 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
     ok = read_lines(tmp_path / "out" / "results.jsonl")
     errors = read_lines(tmp_path / "out" / "errors.jsonl")
     assert [x.custom_id for x in ok] == ["ok-1", "ok-2"]
-    assert all(x.response is None and x.error is not None for x in errors)
-    got = [(x.custom_id, x.error.code, x.error.param, x.error.line) for x in errors]
+    got = [(x.custom_id, err(x).code, err(x).param, err(x).line) for x in errors]
     assert got == [
         ("ok-1", "duplicate_custom_id", "custom_id", 2),
         ("emb", "invalid_url", "url", 3),
-        ("tools", "unknown_parameter", "tools", 4),
+        ("tools", "unsupported_value", "tools", 4),
         (None, "invalid_json_line", None, 5),
         (None, "missing_required_parameter", "custom_id", 6),
         ("get", "invalid_method", "method", 7),
@@ -166,9 +173,10 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
         ("both", "invalid_value", "max_tokens", 10),
         ("long", "invalid_request", None, 11),
     ]
-    messages = [x.error.message for x in errors]
+    messages = [err(x).message for x in errors]
     assert all(m and "\n" not in m for m in messages)
-    assert "unsupported body field 'tools'" in messages[2] and "max_model_len" in messages[9]
+    assert "tools=" in messages[2] and "not supported" in messages[2]
+    assert "max_model_len" in messages[9]
     assert len({x.id for x in ok + errors}) == len(rows), "one line per request, none dropped"
 
 
@@ -187,7 +195,7 @@ def test_interrupted_job_resumes(model: Path, tmp_path: Path) -> None:
     ok = read_lines(tmp_path / "out" / "results.jsonl")
     (dup,) = read_lines(tmp_path / "out" / "errors.jsonl")
     assert [x.custom_id for x in ok] == [f"r{i}" for i in range(16)]
-    assert dup.custom_id == "r1" and dup.error.code == "duplicate_custom_id"
+    assert dup.custom_id == "r1" and err(dup).code == "duplicate_custom_id"
     whole = run(model, inp, tmp_path / "whole", *sets)
     assert whole.complete
     expected = read_lines(tmp_path / "whole" / "results.jsonl")
@@ -207,18 +215,22 @@ def test_cli_format_flag_and_prompt_section(model: Path, tmp_path: Path) -> None
         run(model, inp, tmp_path / "o3", "prompt.id_column='custom_id'")
 
 
+DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "n": 1, "presence_penalty": 0.0}
+DEFAULTS |= {"frequency_penalty": 0.0, "stop": ()}
+
+
 def test_body_fields_map_onto_sampling() -> None:
     chat = parse_request(
         request("a", logprobs=True, top_logprobs=3, stop="x", max_completion_tokens=7, n=2), None, 1
     )
     assert chat["error_code"] is None and chat["messages"][0]["content"] == "Hello a"
-    expected = {"logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
+    expected = {**DEFAULTS, "logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
     assert chat["sampling"] == expected
     plain = parse_request(request("b", logprobs=False, top_p=0.5, temperature=None), None, 2)
-    assert plain["sampling"] == {"top_p": 0.5}
+    assert plain["sampling"] == {**DEFAULTS, "top_p": 0.5}
     text = parse_request(request("c", COMPLETIONS, logprobs=0, presence_penalty=0.5), None, 3)
     assert text["prompt"] == "Once upon a time c"
-    assert text["sampling"] == {"logprobs": 0, "presence_penalty": 0.5}
+    assert text["sampling"] == {**DEFAULTS, "logprobs": 0, "presence_penalty": 0.5}
     bad = parse_request(request("d", COMPLETIONS, logprobs=True), None, 4)
     assert (bad["error_code"], bad["error_param"]) == ("invalid_value", "logprobs")
     assert parse_request(request("e", COMPLETIONS, logprobs=21), None, 5)["error_code"]
@@ -227,3 +239,108 @@ def test_body_fields_map_onto_sampling() -> None:
     assert parse_request(None, "x line 7: malformed JSON", 7)["error_message"].startswith(
         "x line 7"
     )
+
+
+def test_harmless_fields_are_accepted_and_vllm_fields_honoured() -> None:
+    harmless = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    harmless |= {"stream": False, "stream_options": None, "parallel_tool_calls": True}
+    harmless |= {"logit_bias": {}, "tools": [], "response_format": {"type": "text"}}
+    line = parse_request(request("a", **harmless, seed=3), None, 1)
+    assert line["error_code"] is None and line["sampling"]["seed"] == 3
+    vllm = {"top_k": 5, "min_p": 0.1, "min_tokens": 2, "repetition_penalty": 1.2}
+    vllm |= {"ignore_eos": True, "stop_token_ids": [7], "include_stop_str_in_output": True}
+    line = parse_request(request("b", **vllm, skip_special_tokens=True), None, 2)
+    assert line["error_code"] is None
+    assert line["sampling"] == {
+        **DEFAULTS, "top_k": 5, "min_p": 0.1, "min_new_tokens": 2, "repetition_penalty": 1.2,
+        "ignore_eos": True, "stop_token_ids": (7,), "include_stop_str_in_output": True,
+    }  # fmt: skip
+    for field, value in (
+        ("stream", True),
+        ("logit_bias", {"5": 10}),
+        ("response_format", {"type": "json_object"}),
+        ("skip_special_tokens", False),
+    ):
+        bad = parse_request(request("c", **{field: value}), None, 3)
+        assert (bad["error_code"], bad["error_param"]) == ("unsupported_value", field), field
+        assert "not supported by batchgen" in bad["error_message"]
+
+
+def test_openai_defaults_apply_to_lines_without_values(model: Path, tmp_path: Path) -> None:
+    """As OpenAI: no temperature means 1.0, so n=2 gives two different choices (seeded from
+    runtime.seed and the custom_id, so the same on a rerun); the job's own defaults do not
+    turn lines greedy."""
+    inp = write_jsonl(
+        tmp_path / "in.jsonl", [request(f"r{i}", n=2, max_tokens=8) for i in range(4)]
+    )
+    assert run(model, inp, tmp_path / "out", "sampling.ignore_eos=true").complete
+    lines = read_lines(tmp_path / "out" / "results.jsonl")
+    pairs = [[c.message.content for c in x.response.body.choices] for x in lines]
+    assert all(len(p) == 2 for p in pairs) and any(a != b for a, b in pairs)
+    assert run(model, inp, tmp_path / "again", "sampling.ignore_eos=true").complete
+    again = read_lines(tmp_path / "again" / "results.jsonl")
+    assert [[c.message.content for c in x.response.body.choices] for x in again] == pairs
+
+
+OPENAI_DOCS_EXAMPLE = [  # the request file of OpenAI's Batch guide, unchanged
+    {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-3.5-turbo-0125", "messages": [
+         {"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}},
+    {"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-3.5-turbo-0125", "messages": [
+         {"role": "system", "content": "You are an unhelpful assistant."},
+         {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}},
+]  # fmt: skip
+VLLM_TEST_INPUT = [  # the chat lines of vLLM's run-batch tests, unchanged
+    *({**line, "body": {**line["body"], "model": "hmellor/tiny-random-LlamaForCausalLM"}}
+      for line in OPENAI_DOCS_EXAMPLE),
+    {"custom_id": "request-3", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "NonExistModel", "messages": [
+         {"role": "system", "content": "You are an unhelpful assistant."},
+         {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}},
+    {"custom_id": "request-4", "method": "POST", "url": "/bad_url",
+     "body": {"model": "hmellor/tiny-random-LlamaForCausalLM", "messages": [
+         {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}},
+    {"custom_id": "request-5", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"stream": "True", "model": "hmellor/tiny-random-LlamaForCausalLM", "messages": [
+         {"role": "user", "content": "Hello world!"}], "max_tokens": 1000}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "lines", "served", "ok", "failed"),
+    [
+        ("openai", OPENAI_DOCS_EXAMPLE, "gpt-3.5-turbo-0125", ["request-1", "request-2"], {}),
+        (
+            "vllm",
+            VLLM_TEST_INPUT,
+            "hmellor/tiny-random-LlamaForCausalLM",
+            ["request-1", "request-2"],
+            {"request-3": "model_not_found", "request-4": "invalid_url",
+             "request-5": "unsupported_value"},
+        ),
+    ],
+)  # fmt: skip
+def test_published_batch_files_run_unchanged(
+    model: Path, tmp_path: Path, name: str, lines: list, served: str, ok: list, failed: dict
+) -> None:
+    inp = write_jsonl(tmp_path / f"{name}.jsonl", lines)
+    sets = ("sampling.max_new_tokens=8", f"model.served_model_name=['{served}']")
+    assert run(model, inp, tmp_path / "out", *sets).complete
+    results = read_lines(tmp_path / "out" / "results.jsonl")
+    errors = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert [x.custom_id for x in results] == ok
+    assert all(x.response.body.model == served for x in results)
+    assert {x.custom_id: err(x).code for x in errors} == failed
+
+
+def test_validate_reports_lines_that_cannot_run(model: Path, tmp_path: Path) -> None:
+    inp = write_jsonl(tmp_path / "vllm.jsonl", VLLM_TEST_INPUT)
+    args = ["validate", "--format", "openai-batch", "--input", str(inp), "--output", "o"]
+    served = "model.served_model_name=['hmellor/tiny-random-LlamaForCausalLM']"
+    result = CliRunner().invoke(main, [*args, "--model", str(model), "--set", served])
+    assert result.exit_code == 0
+    report = result.output.strip().splitlines()[-1]
+    assert "5 lines, 3 invalid" in report and "1 model_not_found" in report
+    assert "1 invalid_url" in report and "1 unsupported_value" in report

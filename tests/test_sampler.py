@@ -13,7 +13,8 @@ from batchgen.engine.sampler import (
     hash_u32,
     row_keys,
 )
-from batchgen.engine.step_inputs import SamplingFlags, SamplingInputs
+from batchgen.engine.step_inputs import SamplingFlags
+from batchgen.engine.step_layout import SamplingInputs
 from tests.helpers import random_prompts
 
 DRAWS = 200_000

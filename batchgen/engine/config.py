@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from batchgen.errors import check_field
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -36,51 +38,48 @@ class EngineConfig:
     check_model: bool = True
 
     def __post_init__(self) -> None:
-        _check(
+        check_field(
             isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
             "device",
             self.device,
             "auto, cpu, cuda or cuda:N",
         )
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        _check(
+        check_field(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        check_field(
             self.block_size in (8, 16, 32, 64, 128),
             "block_size",
             self.block_size,
             "8, 16, 32, 64 or 128",
         )
         if self.num_kv_blocks is not None:
-            _check(self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1")
-        _check(
+            check_field(
+                self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1"
+            )
+        check_field(
             0.0 < self.kv_cache_memory_fraction <= 1.0,
             "kv_cache_memory_fraction",
             self.kv_cache_memory_fraction,
             "a number in (0, 1]",
         )
-        _check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "> 0")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
-        _check(
+        check_field(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "> 0")
+        check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        check_field(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
             f">= max_num_seqs ({self.max_num_seqs})",
         )
         if self.max_model_len is not None:
-            _check(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
-        _check(
+            check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
+        check_field(
             self.attention_backend in ("auto", "reference", "triton"),
             "attention_backend",
             self.attention_backend,
             "auto, reference or triton",
         )
-        _check(
+        check_field(
             all(b >= 1 for b in self.cuda_graph_batch_sizes),
             "cuda_graph_batch_sizes",
             self.cuda_graph_batch_sizes,
             "positive batch sizes",
         )
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")

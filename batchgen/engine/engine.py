@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 from collections.abc import Iterable, Iterator
@@ -159,19 +158,15 @@ class Engine:
             prompt = Prompt(prompt)
         request_id = default_id if prompt.request_id is None else str(prompt.request_id)
         try:
-            request = self._make_request(request_id, prompt, params)
+            ids, params, seed, max_tokens = self._check_request(request_id, prompt, params)
         except ValueError as exc:
             return RequestOutput(request_id, [], [], "error", f"request {request_id}: {exc}")
-        n = request.params.n
+        n = params.n
         self._live[request_id] = n
-        samples = []
-        for index in range(n):  # samples share the prompt, never the randomness
-            sample = request if index == 0 else copy.copy(request)
-            sample.output_token_ids, sample.block_table, sample.logprobs = [], [], []
-            sample.children = []
-            sample.sample_index, sample.num_samples = index, n
-            sample.rng_key = _mix(request.seed, index)
-            samples.append(sample)
+        args = (request_id, ids, params, seed, max_tokens, self.eos_token_ids)
+        samples = [  # each sample its own Request: they share the prompt, never any state
+            Request(*args, sample_index=i, num_samples=n, rng_key=_mix(seed, i)) for i in range(n)
+        ]
         self.scheduler.add_samples(samples[0], samples[1:])
         return None
 
@@ -264,7 +259,8 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(request, reason)
         self._live[request.request_id] -= 1
-        if not self._live[request.request_id]:
+        last = not self._live[request.request_id]
+        if last:
             del self._live[request.request_id]
         return RequestOutput(
             request.request_id,
@@ -276,9 +272,13 @@ class Engine:
             sample_index=request.sample_index,
             num_samples=request.num_samples,
             logprobs=request.logprobs if request.params.logprobs is not None else None,
+            last=last,
         )
 
-    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+    def _check_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams
+    ) -> tuple[list[int], SamplingParams, int, int]:
+        """-> (prompt ids, the request's params, its seed, its token limit); ValueError."""
         if request_id in self._live:
             raise ValueError(f"id {request_id!r} is already running: ids must be unique")
         if isinstance(prompt.sampling, SamplingParams):
@@ -302,7 +302,7 @@ class Engine:
             raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
         key = request_id if prompt.seed_key is None else str(prompt.seed_key)
         seed = params.seed if params.seed is not None else self._derived_seed(key)
-        return Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
+        return ids, params, seed, max_tokens
 
     def _prompt_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import HostStep, Layout, prepare_step
+from batchgen.engine.step_inputs import HostStep, prepare_step
+from batchgen.engine.step_layout import Layout
 
-if TYPE_CHECKING:
-    from batchgen.engine.runner import ModelRunner
+Forward = Callable[[torch.Tensor, HostStep], torch.Tensor]  # (flat step buffer, host) -> logits
 
 
 class CaptureReport(NamedTuple):
@@ -27,15 +28,22 @@ class CaptureReport(NamedTuple):
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
-        limit = min(runner.config.max_num_seqs, runner.config.max_num_batched_tokens)
+    """forward: the runner's forward pass (capturable for decode-only layouts); pad_slot: the
+    relay slot padding rows use; sizes: batch sizes to capture, those above limit dropped."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        device: torch.device,
+        pad_slot: int,
+        sizes: tuple[int, ...],
+        limit: int,
+    ) -> None:
         self.sizes = sorted({s for s in sizes if s <= limit})
-        self.runner = runner
+        self.forward, self.device, self.pad_slot = forward, device, pad_slot
         biggest = self.sizes[-1] if self.sizes else 0
         self.static = torch.zeros(
-            Layout(biggest, biggest, biggest).fixed_size,
-            dtype=torch.int64,
-            device=runner.device,
+            Layout(biggest, biggest, biggest).fixed_size, dtype=torch.int64, device=device
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.report = self._capture_all()
@@ -46,7 +54,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.static = None
-        self.runner = None
+        self.forward = None
 
     def padded_size(self, batch: Batch) -> int:
         """The graph size this step replays at, or 0 to run it eagerly."""
@@ -65,7 +73,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> CaptureReport:
-        device = self.runner.device
+        device = self.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         started = time.perf_counter()
@@ -81,16 +89,16 @@ class DecodeGraphs:
 
     def _capture(self, size: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a step of `size` padding rows (valid inputs that touch only scratch)."""
-        host, staged = prepare_step(Batch([], 0), size, self.runner.pad_slot)
+        host, staged = prepare_step(Batch([], 0), size, self.pad_slot)
         self.static[: host.layout.fixed_size].copy_(staged[: host.layout.fixed_size])
         flat = self.static
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: autotuning and lazy initialisation stay out
-                self.runner.forward(flat, host)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+                self.forward(flat, host)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self.runner.forward(flat, host)
+            logits = self.forward(flat, host)
         return graph, logits

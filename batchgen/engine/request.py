@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.step_layout import request_constants
 
 
 class Status(Enum):
@@ -58,23 +59,9 @@ class Request:
     children: list[Request] = field(default_factory=list)  # samples waiting for this prompt
 
     @functools.cached_property
-    def sample_ints(self) -> tuple[int, int, int]:
-        """(top_k, logprobs k or -1, track penalties): fixed for the request's life."""
-        p = self.params
-        return p.top_k, -1 if p.logprobs is None else p.logprobs, int(p.uses_penalties)
-
-    @functools.cached_property
-    def sample_floats(self) -> tuple[float, ...]:
-        """(temperature, top_p, min_p, repetition, presence, frequency)."""
-        p = self.params
-        return (
-            float(p.temperature),
-            float(p.top_p),
-            float(p.min_p),
-            float(p.repetition_penalty),
-            float(p.presence_penalty),
-            float(p.frequency_penalty),
-        )
+    def sampling_constants(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Per-step sampler constants, fixed for the request's life (see step_layout)."""
+        return request_constants(self.params)
 
     @property
     def banned_before_min_tokens(self) -> frozenset[int]:
@@ -135,3 +122,4 @@ class RequestOutput(NamedTuple):
     sample_index: int = 0
     num_samples: int = 1
     logprobs: list[TokenLogprobs] | None = None  # when params.logprobs is set
+    last: bool = True  # no other sample of this request is still running

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from functools import partial
 from itertools import pairwise
@@ -12,13 +11,12 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import (
-    AttentionBackend,
     AttentionMetadata,
     KVCache,
-    ReferenceBackend,
     attention_scope,
     step_context,
 )
+from batchgen.engine.attention.select import make_backend, uses_triton
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
@@ -26,13 +24,8 @@ from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape, model_shape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import (
-    HostStep,
-    Layout,
-    prepare_step,
-    unpack_sampling,
-    unpack_step,
-)
+from batchgen.engine.step_inputs import HostStep, prepare_step
+from batchgen.engine.step_layout import Layout, unpack_sampling, unpack_step
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
@@ -70,36 +63,17 @@ def plan_num_blocks(
     return num_blocks
 
 
-def check_backend(config: EngineConfig, device: torch.device) -> str:
-    """The attention backend this config gets on device -> "reference" or "triton";
-    BatchgenError when it cannot run there (checked before any model work)."""
-    choice = config.attention_backend
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" and _has_triton() else "reference"
-    if choice == "triton" and not _has_triton():
-        raise BatchgenError("attention_backend='triton' needs triton: pip install triton")
-    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BatchgenError(
-            f"attention_backend='triton' runs on a CUDA GPU, not on {device}: use "
-            "attention_backend='auto' or 'reference' (or TRITON_INTERPRET=1 to test the kernels)"
-        )
-    return choice
-
-
-def make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
-    if check_backend(config, device) == "reference":
-        return ReferenceBackend()
-    from batchgen.engine.attention.triton import TritonBackend
-
-    return TritonBackend()
-
-
 def _capture_or_explain(runner: ModelRunner) -> tuple[DecodeGraphs | None, str | None]:
     """Decode graphs, or (None, why) when the model's forward cannot be captured (a layer
     that copies from the host or synchronizes, e.g. some mixture-of-experts kernels): its
     decode steps then run eagerly, with the same results."""
     try:
-        return DecodeGraphs(runner, runner.config.cuda_graph_batch_sizes), None
+        config = runner.config
+        limit = min(config.max_num_seqs, config.max_num_batched_tokens)
+        graphs = DecodeGraphs(
+            runner.forward, runner.device, runner.pad_slot, config.cuda_graph_batch_sizes, limit
+        )
+        return graphs, None
     except Exception as exc:  # capture failed: leave the device usable and run eagerly
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(runner.device)
@@ -108,22 +82,6 @@ def _capture_or_explain(runner: ModelRunner) -> tuple[DecodeGraphs | None, str |
         note = f"CUDA graphs are off for this model, decode steps run eagerly ({reason})"
         warnings.warn(f"batchgen: {note}", stacklevel=2)
         return None, note
-
-
-def _triton_type() -> type:
-    if not _has_triton():
-        return type(None)
-    from batchgen.engine.attention.triton import TritonBackend
-
-    return TritonBackend
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class ModelRunner:
@@ -179,7 +137,7 @@ class ModelRunner:
         self.rope = contextlib.nullcontext
         # a caller's model keeps its own attention outside batchgen's forward passes
         self.scope = partial(attention_scope, model) if adopted else contextlib.nullcontext
-        if config.fused_ops and device.type == "cuda" and isinstance(self.backend, _triton_type()):
+        if config.fused_ops and device.type == "cuda" and uses_triton(self.backend):
             self.fused = fuse_modules(model)
             self.rope = RopeSwap(model).active
         self.graphs: DecodeGraphs | None = None
@@ -196,6 +154,8 @@ class ModelRunner:
         """Queue the step's work on the device; the returned tokens arrive on the host later."""
         pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
         host, staged = prepare_step(batch, pad_to, self.pad_slot)
+        for request, synced in host.synced:  # the new block-table entries are on their way
+            request.num_synced_blocks = synced
         flat = self.transfer.to_device(staged)
         start = self._mark()
         sampling = unpack_sampling(flat, host.layout)

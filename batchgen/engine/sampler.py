@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.step_inputs import SamplingFlags, SamplingInputs
+from batchgen.engine.step_inputs import SamplingFlags
+from batchgen.engine.step_layout import SamplingInputs
 
 _MASK32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # lowbias32-style multiplier; products stay below 2**63 in int64

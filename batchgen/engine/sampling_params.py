@@ -53,7 +53,9 @@ class SamplingParams:
         )
 
     def replace(self, **overrides: Any) -> SamplingParams:
-        """A copy with some fields changed; unknown fields are an error naming them."""
+        """A copy with some fields changed; unknown fields are an error naming them. vLLM's
+        names (max_tokens, min_tokens) are accepted for ours."""
+        overrides = resolve_aliases(overrides)
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -63,6 +65,21 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}  # vLLM's names
+
+
+def resolve_aliases(values: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's field names -> ours; ValueError when both name one field."""
+    out = dict(values)
+    for alias, name in ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise ValueError(f"{alias} and {name} are the same setting: give one")
+            out[name] = out.pop(alias)
+    return out
+
+
+MAX_LOGPROBS = 20  # alternatives a request may ask for (the transfer buffers hold this many)
 MAX_N = 128  # samples of one prompt, as the OpenAI API allows
 MAX_TOKENS = 2**31 - 1  # any token count or id
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device
@@ -125,8 +142,8 @@ def _problems(p: SamplingParams) -> list[str]:
         ("ignore_eos", isinstance(p.ignore_eos, bool), "be true/false"),
         (
             "logprobs",
-            p.logprobs is None or _is_int(p.logprobs, 0, 20),
-            "be an integer in [0, 20] or unset",
+            p.logprobs is None or _is_int(p.logprobs, 0, MAX_LOGPROBS),
+            f"be an integer in [0, {MAX_LOGPROBS}] or unset",
         ),
     ]
     out = [f"{name}={_show(getattr(p, name))} must {rule}" for name, ok, rule in rules if not ok]

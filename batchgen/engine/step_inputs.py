@@ -1,21 +1,15 @@
 """Step metadata: built on the host into one flat int64 buffer, sent to the device in one copy.
 
-Model part (copied into a CUDA graph's static buffer for graphed decode steps), for T tokens,
-B sequences and S sampled rows:
-  ids[T] relay_src[T] positions[T] seq_idx[T] cu_seqlens[B+1] context_lens[B] seq_slots[B]
-  sample_idx[S]
-Sampling part (used by the eager sampler):
-  sample_slots[S] rng_keys[S] sample_pos[S] top_k[S] logprobs_k[S] track[S]
-  temperature[S] top_p[S] min_p[S] repetition[S] presence[S] frequency[S]   (float64 bits)
-  updates[3U] resets[R] prompt_marks[2M] output_counts[2C] bans[2Z]
-relay_src is the relay row holding a token's value (the newest token of a request whose value
-is still on the device), else -1. Block tables live on the device, one row per relay slot; a
-step sends only new (slot, column, block) entries. Penalty state (token counts per slot) is
-reset for slots in `resets`, marked from `prompt_marks`/`output_counts` (slot, token) pairs
-known on the host at admission, and counted on the device as tokens are sampled (`track`).
-`bans` are (sample row, token) pairs whose logit is -inf (min_new_tokens). A decode step may
-be padded to a CUDA-graph batch size: padding rows use the pad slot, whose block-table row
-points at a scratch block, so padded work touches nothing real.
+The buffer's segments, their order and sizes are declared in step_layout.py; this module fills
+them from a scheduled Batch. relay_src is the relay row holding a token's value (the newest
+token of a request whose value is still on the device), else -1. Block tables live on the
+device, one row per relay slot; a step sends only new (slot, column, block) entries. Penalty
+state (token counts per slot) is reset for slots in `resets`, marked from `prompt_marks` /
+`output_counts` (slot, token) pairs known on the host at admission, and counted on the device
+as tokens are sampled (`track`). `bans` are (sample row, token) pairs whose logit is -inf
+(min_new_tokens). A decode step may be padded to a CUDA-graph batch size: padding rows use the
+pad slot, whose block-table row points at a scratch block, so padded work touches nothing real.
+prepare_step reads requests and never changes them: what the step sent is returned.
 """
 
 from __future__ import annotations
@@ -26,29 +20,17 @@ import torch
 
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Batch, ScheduledChunk
+from batchgen.engine.step_layout import (
+    MODEL_SEGMENTS,
+    PAD_CONSTANTS,
+    REQUEST_INTS,
+    TAIL_SEGMENTS,
+    Layout,
+)
 
-NUM_SAMPLE_INTS = 6
-NUM_SAMPLE_FLOATS = 6
-
-
-class Layout(NamedTuple):
-    T: int
-    B: int
-    S: int
-    U: int = 0
-    R: int = 0
-    M: int = 0
-    C: int = 0
-    Z: int = 0
-
-    @property
-    def fixed_size(self) -> int:
-        return 4 * self.T + 3 * self.B + 1 + self.S
-
-    @property
-    def size(self) -> int:
-        sampling = (NUM_SAMPLE_INTS + NUM_SAMPLE_FLOATS) * self.S
-        return self.fixed_size + sampling + 3 * self.U + self.R + 2 * (self.M + self.C + self.Z)
+_TOP_K = list(REQUEST_INTS).index("top_k")
+_LOGPROBS_K = list(REQUEST_INTS).index("logprobs_k")
+_TRACK = list(REQUEST_INTS).index("track")
 
 
 class SamplingFlags(NamedTuple):
@@ -69,69 +51,22 @@ class HostStep(NamedTuple):
     context_lens: list[int]
     num_decodes: int
     flags: SamplingFlags
-
-
-class DeviceStep(NamedTuple):
-    """Views of the model part of the device buffer."""
-
-    ids: torch.Tensor
-    relay_src: torch.Tensor
-    positions: torch.Tensor
-    seq_idx: torch.Tensor
-    cu_seqlens: torch.Tensor
-    context_lens: torch.Tensor
-    seq_slots: torch.Tensor
-    sample_idx: torch.Tensor
-
-
-class SamplingInputs(NamedTuple):
-    """Views of the sampling part of the device buffer."""
-
-    slots: torch.Tensor  # [S]
-    rng_keys: torch.Tensor
-    positions: torch.Tensor  # position the sampled token will take
-    top_k: torch.Tensor
-    logprobs_k: torch.Tensor
-    track: torch.Tensor  # 1 = count sampled tokens for penalties
-    temperature: torch.Tensor  # [S] float64 views from here on
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    repetition: torch.Tensor
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    updates: torch.Tensor  # [U, 3]
-    resets: torch.Tensor  # [R]
-    prompt_marks: torch.Tensor  # [M, 2]
-    output_counts: torch.Tensor  # [C, 2]
-    bans: torch.Tensor  # [Z, 2]
+    synced: list[tuple[Request, int]]  # (request, block-table entries now on the device)
 
 
 class _Lists:
-    """Python lists of one step's metadata, in layout order."""
+    """Python lists of one step's metadata, named as the layout's segments."""
 
     def __init__(self) -> None:
-        for name in (
-            "ids",
-            "relay_src",
-            "positions",
-            "seq_idx",
-            "ctx",
-            "slots",
-            "samples",
-            "sample_ints",
-            "sample_floats",
-            "updates",
-            "resets",
-            "prompt_marks",
-            "output_counts",
-            "bans",
-        ):
+        for name, _ in MODEL_SEGMENTS:
             setattr(self, name, [])
-        self.cu = [0]
-
-
-_PAD_SAMPLE_INTS = (0, -1, 0)  # top_k off, no logprobs, no penalty tracking
-_PAD_SAMPLE_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, no penalties
+        for name, _, _ in TAIL_SEGMENTS:
+            setattr(self, name, [])
+        self.cu_seqlens = [0]
+        self.samples: list[tuple[int, int, int]] = []  # (slot, rng key, position) per row
+        self.sample_ints: list[tuple[int, ...]] = []
+        self.sample_floats: list[tuple[float, ...]] = []
+        self.synced: list[tuple[Request, int]] = []
 
 
 def prepare_step(
@@ -148,55 +83,37 @@ def prepare_step(
     for i in range(real, pad_to):
         _add_padding(L, i, pad_slot)
     S = len(L.samples)
-    layout = Layout(
-        len(L.ids),
-        len(L.ctx),
-        S,
-        len(L.updates) // 3,
-        len(L.resets),
-        len(L.prompt_marks) // 2,
-        len(L.output_counts) // 2,
-        len(L.bans) // 2,
-    )
-    # per-sample columns: sample_idx, sample_slots, rng_keys, sample_pos, then the constants
-    sample_cols = (
-        [
-            c
-            for cols in (zip(*L.samples, strict=True), zip(*L.sample_ints, strict=True))
-            for c in cols
-        ]
-        if S
-        else []
-    )
-    float_cols = list(zip(*L.sample_floats, strict=True)) if S else []
-    ints = L.ids + L.relay_src + L.positions + L.seq_idx + L.cu + L.ctx + L.slots
-    for col in sample_cols:
-        ints.extend(col)
-    floats = [v for col in float_cols for v in col]
+    tail_rows = [len(getattr(L, name)) // width for name, _, width in TAIL_SEGMENTS]
+    layout = Layout(len(L.ids), len(L.context_lens), S, *tail_rows)
+    ints = [v for name, _ in MODEL_SEGMENTS for v in getattr(L, name)]
+    if S:
+        for column in (*zip(*L.samples, strict=True), *zip(*L.sample_ints, strict=True)):
+            ints.extend(column)
+    floats = [v for column in zip(*L.sample_floats, strict=True) for v in column] if S else []
     flat = torch.cat(
         [
             torch.tensor(ints, dtype=torch.int64),
             torch.tensor(floats, dtype=torch.float64).view(torch.int64),
             torch.tensor(
-                L.updates + L.resets + L.prompt_marks + L.output_counts + L.bans, dtype=torch.int64
+                [v for name, _, _ in TAIL_SEGMENTS for v in getattr(L, name)], dtype=torch.int64
             ),
         ]
     )
-    num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.ctx) - real)
-    return HostStep(layout, L.cu, L.ctx, num_decodes, _flags(sample_cols, float_cols)), flat
+    num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
+    flags = _flags(L) if S else SamplingFlags()
+    host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)
+    return host, flat
 
 
-def _flags(sample_cols: list[tuple], float_cols: list[tuple]) -> SamplingFlags:
-    if not sample_cols:
-        return SamplingFlags()
-    top_k, logprobs_k, track = sample_cols[4:7]
-    temperature, top_p, min_p = float_cols[:3]
+def _flags(L: _Lists) -> SamplingFlags:
+    ints = list(zip(*L.sample_ints, strict=True))
+    temperature, top_p, min_p = list(zip(*L.sample_floats, strict=True))[:3]
     return SamplingFlags(
         any_random=any(temperature),
-        any_top_k=any(top_k),
+        any_top_k=any(ints[_TOP_K]),
         any_top_p_min_p=min(top_p) < 1.0 or any(min_p),
-        any_penalty=any(track),
-        logprobs_k=max(logprobs_k),
+        any_penalty=any(ints[_TRACK]),
+        logprobs_k=max(ints[_LOGPROBS_K]),
     )
 
 
@@ -217,17 +134,17 @@ def _add_chunk(L: _Lists, i: int, chunk: ScheduledChunk) -> None:
             L.relay_src.append(r.slot)
         L.positions.extend(range(start, end))
         L.seq_idx.extend([i] * n)
-    L.cu.append(L.cu[-1] + n)
-    L.ctx.append(end)
-    L.slots.append(r.slot)
+    L.cu_seqlens.append(L.cu_seqlens[-1] + n)
+    L.context_lens.append(end)
+    L.seq_slots.append(r.slot)
     if r.num_synced_blocks < len(r.block_table):
         for col in range(r.num_synced_blocks, len(r.block_table)):
             L.updates.extend((r.slot, col, r.block_table[col]))
-        r.num_synced_blocks = len(r.block_table)
+        L.synced.append((r, len(r.block_table)))
     if chunk.admitted and r.params.uses_penalties:
         _add_penalty_state(L, r)
     if chunk.samples:
-        _add_sample(L, r, L.cu[-1] - 1, end)
+        _add_sample(L, r, L.cu_seqlens[-1] - 1, end)
 
 
 def _add_penalty_state(L: _Lists, r: Request) -> None:
@@ -244,9 +161,11 @@ def _add_sample(L: _Lists, r: Request, row_token: int, position: int) -> None:
         row = len(L.samples)
         for token in r.banned_before_min_tokens:
             L.bans.extend((row, token))
-    L.samples.append((row_token, r.slot, r.rng_key, position))
-    L.sample_ints.append(r.sample_ints)
-    L.sample_floats.append(r.sample_floats)
+    L.sample_idx.append(row_token)
+    L.samples.append((r.slot, r.rng_key, position))
+    ints, floats = r.sampling_constants
+    L.sample_ints.append(ints)
+    L.sample_floats.append(floats)
 
 
 def _add_padding(L: _Lists, i: int, pad_slot: int) -> None:
@@ -254,12 +173,13 @@ def _add_padding(L: _Lists, i: int, pad_slot: int) -> None:
     L.relay_src.append(-1)
     L.positions.append(0)
     L.seq_idx.append(i)
-    L.cu.append(L.cu[-1] + 1)
-    L.ctx.append(1)
-    L.slots.append(pad_slot)
-    L.samples.append((L.cu[-1] - 1, pad_slot, 0, 1))
-    L.sample_ints.append(_PAD_SAMPLE_INTS)
-    L.sample_floats.append(_PAD_SAMPLE_FLOATS)
+    L.cu_seqlens.append(L.cu_seqlens[-1] + 1)
+    L.context_lens.append(1)
+    L.seq_slots.append(pad_slot)
+    L.sample_idx.append(L.cu_seqlens[-1] - 1)
+    L.samples.append((pad_slot, 0, 1))
+    L.sample_ints.append(PAD_CONSTANTS[0])
+    L.sample_floats.append(PAD_CONSTANTS[1])
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
@@ -267,29 +187,3 @@ def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> 
     if end <= n:
         return prompt[start:end]
     return prompt[start:] + output[max(0, start - n) : end - n]
-
-
-def unpack_step(flat: torch.Tensor, layout: Layout) -> DeviceStep:
-    """Views of the model part of a device buffer per Layout (no copies)."""
-    T, B, S = layout.T, layout.B, layout.S
-    return DeviceStep(*torch.split(flat[: layout.fixed_size], [T, T, T, T, B + 1, B, B, S]))
-
-
-def unpack_sampling(flat: torch.Tensor, layout: Layout) -> SamplingInputs:
-    """Views of the sampling part of a device buffer per Layout (no copies)."""
-    S = layout.S
-    sizes = [S] * (NUM_SAMPLE_INTS + NUM_SAMPLE_FLOATS) + [
-        3 * layout.U,
-        layout.R,
-        2 * layout.M,
-        2 * layout.C,
-        2 * layout.Z,
-    ]
-    parts = list(torch.split(flat[layout.fixed_size : layout.size], sizes))
-    for i in range(NUM_SAMPLE_INTS, NUM_SAMPLE_INTS + NUM_SAMPLE_FLOATS):
-        parts[i] = parts[i].view(torch.float64)
-    tail = len(parts) - 5
-    parts[tail] = parts[tail].view(-1, 3)
-    for i in (tail + 2, tail + 3, tail + 4):
-        parts[i] = parts[i].view(-1, 2)
-    return SamplingInputs(*parts)

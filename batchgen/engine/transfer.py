@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-LOGPROB_WIDTH = 1 + 2 * 20  # chosen + 20 alternatives' logprobs and ids
+from batchgen.engine.sampling_params import MAX_LOGPROBS
+
+LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS  # chosen + the alternatives' logprobs and ids
 
 
 class StepOutput(NamedTuple):

@@ -24,11 +24,9 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import BatchgenError
-from batchgen.io.openai_batch import COLUMNS as OPENAI_COLUMNS
-from batchgen.io.openai_batch import OPENAI_BATCH, parse_request
-from batchgen.io.openai_batch import PASSTHROUGH_TYPES as OPENAI_TYPES
+from batchgen.errors import BatchgenError, check_field
 
+OPENAI_BATCH = "openai-batch"  # request lines, read by batchgen.formats.openai_batch
 FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
     (".jsonl", ".json", ".ndjson"), "jsonl"
@@ -63,16 +61,11 @@ class InputConfig:
 
     def __post_init__(self) -> None:
         path_ok = isinstance(self.path, str) and bool(self.path.strip())
-        _check(path_ok, "path", self.path, "a file, folder, glob or hub dataset name")
-        _check(self.format in FORMATS, "format", self.format, f"one of {', '.join(FORMATS)}")
-        _check(bool(self.split), "split", self.split, "a split name such as 'train'")
+        check_field(path_ok, "path", self.path, "a file, folder, glob or hub dataset name")
+        check_field(self.format in FORMATS, "format", self.format, f"one of {', '.join(FORMATS)}")
+        check_field(bool(self.split), "split", self.split, "a split name such as 'train'")
         batch_ok = isinstance(self.batch_rows, int) and self.batch_rows >= 1
-        _check(batch_ok, "batch_rows", self.batch_rows, "an integer >= 1")
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")
+        check_field(batch_ok, "batch_rows", self.batch_rows, "an integer >= 1")
 
 
 class RawRow(NamedTuple):
@@ -125,11 +118,9 @@ def open_input(config: InputConfig) -> InputSource:
     is_saved = local.is_dir() and any((local / m).is_file() for m in SAVED_DATASET_MARKERS)
     if config.format == "arrow" or (config.format == "auto" and is_saved):
         return _open_saved(config)
-    files = _find_files(config)
+    files = find_files(config)
     if files is None:  # not a local path, but shaped like a hub dataset name
         return _open_hub(config)
-    if config.format == OPENAI_BATCH:
-        return _open_openai_batch(files, config)
     fmt = _format_of(files, config.path) if config.format == "auto" else config.format
     return (_open_parquet if fmt == "parquet" else _open_jsonl)(files, config)
 
@@ -190,7 +181,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
+def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
     """[(path, name used in messages)] in read order; None = try the hub instead."""
     raw = config.path
     path = Path(raw).expanduser()
@@ -239,7 +230,7 @@ def _format_of(files: list[tuple[Path, str]], raw: str) -> str:
     return kinds.pop()
 
 
-def _describe(files: list[tuple[Path, str]], kind: str, raw: str) -> str:
+def describe_files(files: list[tuple[Path, str]], kind: str, raw: str) -> str:
     if len(files) == 1 and files[0][1] == raw:
         return f"{kind} file {raw}"
     where = "matching" if glob.has_magic(raw) else "under"
@@ -252,7 +243,7 @@ def _reason(exc: BaseException) -> str:
     return text[:MAX_REASON_CHARS]
 
 
-def _project(values: Values, columns: list[str] | None) -> Values:
+def project(values: Values, columns: list[str] | None) -> Values:
     return values if columns is None else {c: values.get(c) for c in columns}
 
 
@@ -278,7 +269,7 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         columns.update(dict.fromkeys(schema.names))
         for f in schema:
             types.setdefault(f.name, f.type)
-    description = _describe(files, "parquet", config.path)
+    description = describe_files(files, "parquet", config.path)
     reader = partial(_parquet_rows, files, config.batch_rows)
     return InputSource(
         list(columns),
@@ -305,7 +296,7 @@ def _parquet_rows(
                 batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
                 for batch in batches:
                     for values in batch.to_pylist():
-                        yield _project(values, columns), None
+                        yield project(values, columns), None
         except (pa.ArrowException, OSError) as exc:
             raise BatchgenError(
                 f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
@@ -313,14 +304,14 @@ def _parquet_rows(
 
 
 def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
-    scans = [_scan_jsonl(path, name) for path, name in files]
+    scans = [scan_jsonl(path, name) for path, name in files]
     columns = _sample_columns(files[0][0])
-    description = _describe(files, "jsonl", config.path)
+    description = describe_files(files, "jsonl", config.path)
     reader = partial(_jsonl_rows, files)
-    return _jsonl_source(files, scans, columns, description, config, reader)
+    return jsonl_source(files, scans, columns, description, config, reader)
 
 
-def _jsonl_source(
+def jsonl_source(
     files: list[tuple[Path, str]],
     scans: list[tuple[int, str]],
     columns: list[str],
@@ -345,8 +336,8 @@ def _sample_columns(path: Path) -> list[str]:
     """Ordered union of the keys of the first SCHEMA_SAMPLE_LINES parseable lines."""
     columns: dict[str, None] = {}
     sampled = 0
-    for _, raw in _jsonl_lines(path):
-        values, _ = _parse(raw, "")
+    for _, raw in jsonl_lines(path):
+        values, _ = parse_json_line(raw, "")
         if values is not None:
             columns.update(dict.fromkeys(values))
             sampled += 1
@@ -355,7 +346,7 @@ def _sample_columns(path: Path) -> list[str]:
     return list(columns)
 
 
-def _scan_jsonl(path: Path, name: str) -> tuple[int, str]:
+def scan_jsonl(path: Path, name: str) -> tuple[int, str]:
     """-> (non-blank lines, SHA-256 of the file), over binary chunks; reject a JSON document
     (array, pretty object)."""
     rows = 0
@@ -397,7 +388,7 @@ def _is_json_document(head: bytes) -> bool:
     return head.startswith(b"[") or head.partition(b"\n")[0].strip() == b"{"
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -408,31 +399,12 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Iterator[Parsed]:
     for path, name in files:
-        for lineno, raw in _jsonl_lines(path):
-            values, error = _parse(raw, f"{name} line {lineno}")
-            yield (None if values is None else _project(values, columns)), error
+        for lineno, raw in jsonl_lines(path):
+            values, error = parse_json_line(raw, f"{name} line {lineno}")
+            yield (None if values is None else project(values, columns)), error
 
 
-def _open_openai_batch(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
-    scans = [_scan_jsonl(path, name) for path, name in files]
-    description = _describe(files, "OpenAI batch", config.path)
-    reader = partial(_openai_batch_rows, files)
-    source = _jsonl_source(files, scans, list(OPENAI_COLUMNS), description, config, reader)
-    types = {name: pa.type_for_alias(alias) for name, alias in OPENAI_TYPES.items()}
-    return dataclasses.replace(source, types=types)
-
-
-def _openai_batch_rows(
-    files: list[tuple[Path, str]], columns: list[str] | None
-) -> Iterator[Parsed]:
-    """Every line becomes values (a line that cannot run carries its error code and message)."""
-    for path, name in files:
-        for lineno, raw in _jsonl_lines(path):
-            values, error = _parse(raw, f"{name} line {lineno}")
-            yield _project(parse_request(values, error, lineno), columns), None
-
-
-def _parse(raw: bytes, where: str) -> Parsed:
+def parse_json_line(raw: bytes, where: str) -> Parsed:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -511,7 +483,7 @@ def _dataset_rows(
         for batch in ds.iter(batch_size=batch_rows):  # batch: {column: [values]}
             keys = list(batch)
             for values in zip(*(batch[k] for k in keys), strict=True):
-                yield _project(dict(zip(keys, values, strict=True)), columns), None
+                yield project(dict(zip(keys, values, strict=True)), columns), None
     except Exception as exc:  # a network drop or a damaged arrow file, mid-stream
         raise BatchgenError(
             f"reading {what} failed ({_reason(exc)}): run again; committed rows are kept"

@@ -20,6 +20,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.errors import check_field
 from batchgen.io.atomic import fsync_dir, write_atomic
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
 
@@ -39,17 +40,12 @@ class OutputConfig:
     final_file: bool = True  # write one result file in input order at the end
 
     def __post_init__(self) -> None:
-        _check(bool(self.dir), "dir", self.dir, "a folder path")
+        check_field(bool(self.dir), "dir", self.dir, "a folder path")
         allowed = " or ".join(OUTPUT_FORMATS)
-        _check(self.format in OUTPUT_FORMATS, "format", self.format, allowed)
+        check_field(self.format in OUTPUT_FORMATS, "format", self.format, allowed)
         rows_ok = isinstance(self.shard_rows, int) and self.shard_rows >= 1
-        _check(rows_ok, "shard_rows", self.shard_rows, "an integer >= 1")
-        _check(self.shard_seconds > 0, "shard_seconds", self.shard_seconds, "a number > 0")
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")
+        check_field(rows_ok, "shard_rows", self.shard_rows, "an integer >= 1")
+        check_field(self.shard_seconds > 0, "shard_seconds", self.shard_seconds, "a number > 0")
 
 
 class ShardWriter:
@@ -64,7 +60,7 @@ class ShardWriter:
         shard_seconds: float,
         before_commit: Callable[[], None] | None = None,
     ) -> None:
-        _check(format in OUTPUT_FORMATS, "format", format, " or ".join(OUTPUT_FORMATS))
+        check_field(format in OUTPUT_FORMATS, "format", format, " or ".join(OUTPUT_FORMATS))
         self.layout = layout
         self.before_commit = before_commit  # raises when the shard must not be written
         layout.shards.mkdir(parents=True, exist_ok=True)

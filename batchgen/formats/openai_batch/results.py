@@ -4,9 +4,10 @@ Every request lands in exactly one file, in input order (as OpenAI's output and 
 - results.jsonl: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
   "error": null}`, body a `chat.completion` or `text_completion` whose `choices` are the n
   samples of the request, with `usage`;
-- errors.jsonl: `{"id", "custom_id", "response": null, "error": {"code", "message", "param",
-  "line"}}` for every line that failed (bad JSON, duplicate custom_id, unsupported url, unknown
-  body field, bad value, a prompt over the context, ...).
+- errors.jsonl: `{"id", "custom_id", "response": {"status_code": 400 (404 for a model that is
+  not served), "request_id", "body": {"error": {"message", "type", "param", "code", "line"}}},
+  "error": null}` for every line that failed (bad JSON, duplicate custom_id, unsupported url,
+  unknown body field, bad value, a prompt over the context, ...).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import IO, Any
 
 import pyarrow.parquet as pq
 
+from batchgen.formats.openai_batch.requests import CHAT_URL
 from batchgen.io.atomic import write_atomic
 from batchgen.io.final import write_final
 from batchgen.io.layout import OutputLayout, temp_path
-from batchgen.io.openai_batch import CHAT_URL
 
 Row = dict[str, Any]
 READ_BATCH_ROWS = 1024  # rows read at a time from the sorted intermediate file
@@ -86,22 +87,27 @@ def _emit(
     return counts[0], counts[1]
 
 
+STATUS = {"model_not_found": 404}  # error code -> HTTP status; any other: 400
+
+
 def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
     error = {
-        "code": row.get("error_code") or "invalid_request",
         "message": row["error"],
+        "type": "invalid_request_error",
         "param": row.get("error_param"),
+        "code": row.get("error_code") or "invalid_request",
         "line": row.get("line"),
     }
     if duplicate:
         message = f"custom_id {custom_id!r} is used by an earlier line: make custom_ids unique"
         error.update(code="duplicate_custom_id", message=message, param="custom_id")
-    return {
-        "id": f"batch_req_{row['index']}",
-        "custom_id": custom_id,
-        "response": None,
-        "error": error,
+    index = row["index"]
+    response = {
+        "status_code": STATUS.get(error["code"], 400),
+        "request_id": f"req_{index}",
+        "body": {"error": error},
     }
+    return {"id": f"batch_req_{index}", "custom_id": custom_id, "response": response, "error": None}
 
 
 def _success(rows: list[Row], custom_id: str | None, model: str, created: int) -> Row:

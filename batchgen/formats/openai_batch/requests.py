@@ -1,34 +1,34 @@
-"""OpenAI Batch input files: each JSON line -> row values for the job (or the reason it fails).
+"""OpenAI Batch request lines -> row values (or the reason a line cannot run).
 
 A line is `{"custom_id", "method": "POST", "url", "body"}` with url /v1/chat/completions (body
-has `messages`) or /v1/completions (body has `prompt`). Body fields map onto SamplingParams and
-travel in the row's "sampling" column; a field the body does not give keeps the job's
-[sampling] value. A line that cannot run keeps its custom_id and an error code, and becomes an
-error line of the output (see openai_results.py); nothing is dropped.
+has `messages`) or /v1/completions (body has `prompt`). Files written for OpenAI or vLLM run
+unchanged: OpenAI's and vLLM's sampling fields map onto SamplingParams, fields that change
+nothing here are accepted, and a field whose value batchgen cannot honour makes the line an
+error line naming it. Where the body gives no value, OpenAI's defaults apply (temperature 1,
+top_p 1, n 1, no penalties); other settings (max tokens, seed, top_k, ...) keep the job's
+[sampling] values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.errors import BatchgenError
-from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
-OPENAI_BATCH = "openai-batch"  # the input format name
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
 LINE_KEYS = ("custom_id", "method", "url", "body")
 ID_COLUMN = "custom_id"
 SAMPLING_COLUMN = "sampling"
 # copied into every output row: what the final OpenAI lines need beyond the generation
-PASSTHROUGH = ("url", "model", "line", "error_code", "error_param")
 PASSTHROUGH_TYPES = {"url": "string", "model": "string", "line": "int64"} | dict.fromkeys(
     ("error_code", "error_param"), "string"
-)  # Arrow type names of the pass-through columns
+)  # Arrow type names
+PASSTHROUGH = tuple(PASSTHROUGH_TYPES)
 COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, "error_message", *PASSTHROUGH)
-# body field -> SamplingParams field, where the meaning is the same
+
+# body field -> SamplingParams field, where the meaning is the same (OpenAI's, then vLLM's)
 SAMPLING_FIELDS = {
     "max_tokens": "max_new_tokens",
     "max_completion_tokens": "max_new_tokens",
@@ -39,20 +39,51 @@ SAMPLING_FIELDS = {
     "n": "n",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "min_tokens": "min_new_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs"}
-BODY_FIELDS = {
-    CHAT_URL: _COMMON
-    | {
-        "messages",
-        "max_completion_tokens",
-        "top_logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-    },
-    COMPLETIONS_URL: _COMMON | {"prompt", "presence_penalty", "frequency_penalty"},
+OPENAI_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "stop": (),
 }
-PROMPT_KEYS = ("system_prompt", "truncate")  # the [prompt] keys that apply to these files
+# fields that change nothing here -> the values that keep it so (None = any value)
+HARMLESS: dict[str, tuple[Any, ...] | None] = {
+    "user": None,
+    "metadata": None,
+    "store": None,
+    "service_tier": None,
+    "safety_identifier": None,
+    "prompt_cache_key": None,
+    "parallel_tool_calls": None,  # there are no tools to call
+    "stream": (False,),
+    "stream_options": None,  # only read when streaming
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_ONLY |= {"functions", "function_call", "response_format", "modalities"}
+CHAT_ONLY |= {"parallel_tool_calls", "store", "metadata", "service_tier"}
+COMPLETIONS_ONLY = {"prompt", "echo", "suffix", "best_of"}
 
 
 class RequestError(Exception):
@@ -103,7 +134,7 @@ def _envelope(obj: dict[str, Any]) -> str:
             "invalid_method", f"method={obj.get('method')!r} is not supported: use POST", "method"
         )
     url = obj.get("url")
-    if url not in BODY_FIELDS:
+    if url not in URLS:
         raise RequestError(
             "invalid_url",
             f"url={url!r} is not supported: use {CHAT_URL} or {COMPLETIONS_URL}",
@@ -116,14 +147,21 @@ def _envelope(obj: dict[str, Any]) -> str:
 
 def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """The request body -> messages or prompt, model and sampling overrides."""
-    unknown = sorted(set(body) - BODY_FIELDS[url])
-    if unknown:
-        raise RequestError(
-            "unknown_parameter",
-            f"unknown or unsupported body field {unknown[0]!r} for {url}: "
-            f"supported are {', '.join(sorted(BODY_FIELDS[url]))}",
-            unknown[0],
-        )
+    wrong = CHAT_ONLY if url == COMPLETIONS_URL else COMPLETIONS_ONLY
+    for field, value in body.items():
+        known = field in SAMPLING_FIELDS or field in HARMLESS or field in LOGPROB_FIELDS
+        if field in wrong or not (known or field in ("model", "messages", "prompt")):
+            raise RequestError(
+                "unknown_parameter", f"unknown or unsupported body field {field!r} for {url}", field
+            )
+        allowed = HARMLESS.get(field)
+        if field in HARMLESS and allowed is not None and value is not None and value not in allowed:
+            raise RequestError(
+                "unsupported_value",
+                f"{field}={value!r} is not supported by batchgen (it accepts "
+                f"{' or '.join(repr(a) for a in allowed)})",
+                field,
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_value", f"model={model!r} must be a string", "model")
@@ -136,17 +174,16 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Body fields -> SamplingParams overrides, each checked (param = the body field)."""
+    """Body fields -> SamplingParams overrides (OpenAI's defaults where the body gives none),
+    each checked (param = the body field)."""
     given = {k: v for k, v in body.items() if v is not None}
     if "max_tokens" in given and "max_completion_tokens" in given:
         raise RequestError(
             "invalid_value", "give max_tokens or max_completion_tokens, not both", "max_tokens"
         )
-    if not isinstance(given.get("stop", ""), (str, list)):
-        raise RequestError("invalid_value", "stop must be a string or a list of strings", "stop")
     if isinstance(given.get("stop"), str):
         given["stop"] = [given["stop"]]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = dict(OPENAI_DEFAULTS)
     source: dict[str, str] = {}  # SamplingParams field -> the body field it came from
     for key, value in given.items():
         if key in SAMPLING_FIELDS:
@@ -157,8 +194,8 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if logprobs is not None:
         out["logprobs"] = logprobs
         source["logprobs"] = "top_logprobs" if "top_logprobs" in given else "logprobs"
-    for field, value in out.items():
-        _check_value(source[field], field, value)
+    for field, key in source.items():
+        _check_value(key, field, out[field])
     return out
 
 
@@ -224,70 +261,3 @@ def _prompt(value: Any) -> str:
             "prompt",
         )
     return value
-
-
-def check_prompt_config(config: PromptConfig) -> None:
-    """Only system_prompt and truncate apply: each line's body says where its prompt is."""
-    default = PromptConfig()
-    for field in dataclasses.fields(config):
-        if field.name in PROMPT_KEYS:
-            continue
-        if getattr(config, field.name) != getattr(default, field.name):
-            raise BatchgenError(
-                f"[prompt] {field.name} does not apply to {OPENAI_BATCH} input (each line's "
-                f"body holds its prompt): remove it; only {' and '.join(PROMPT_KEYS)} apply"
-            )
-
-
-class RequestBuilder:
-    """PromptBuilder for parsed OpenAI lines: chat bodies through the chat template,
-    completion prompts as text; a line that failed to parse becomes an error row."""
-
-    def __init__(
-        self,
-        config: PromptConfig,
-        tokenizer: Any,
-        max_prompt_tokens: int,
-        sampling: SamplingParams,
-        served_names: tuple[str, ...],
-    ) -> None:
-        self.served_names = served_names  # body.model must be one of these (or absent)
-        common = {
-            "id_column": ID_COLUMN,
-            "sampling_column": SAMPLING_COLUMN,
-            "passthrough": PASSTHROUGH,
-            "system_prompt": config.system_prompt,
-            "truncate": config.truncate,
-        }
-        args = (tokenizer, max_prompt_tokens, sampling)
-        self.chat = PromptBuilder(PromptConfig(messages_column="messages", **common), *args)
-        self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
-
-    def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
-        model = values.get("model")
-        if (
-            values.get("error_code") is None
-            and model is not None
-            and model not in self.served_names
-        ):
-            values = {
-                **values,
-                "error_code": "model_not_found",
-                "error_param": "model",
-                "error_message": (
-                    f"the model {model!r} does not exist here: this job serves "
-                    f"{', '.join(map(repr, self.served_names))} (declare other names with "
-                    "model.served_model_name)"
-                ),
-            }
-        if values.get("error_code") is not None:
-            passthrough = {c: _writable_value(values.get(c)) for c in PASSTHROUGH}
-            row_id = writable(values.get(ID_COLUMN) or "")
-            message = writable(values["error_message"])
-            return RowPrompt(index, row_id, None, {}, passthrough, message)
-        builder = self.chat if values.get("messages") is not None else self.text
-        return builder.build(index, values)
-
-
-def _writable_value(value: Any) -> Any:
-    return writable(value) if isinstance(value, str) else value

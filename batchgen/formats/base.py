@@ -1,0 +1,50 @@
+"""What an input format supplies to a job, so the job runs every format the same way."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pyarrow as pa
+
+from batchgen.io import InputSource, OutputLayout
+from batchgen.prompts import RowPrompt
+
+if TYPE_CHECKING:
+    from batchgen.spec import JobSpec
+
+
+class RowBuilder(Protocol):
+    """Turns one input row's values into a prompt for the engine (or an error row)."""
+
+    def build(self, index: int, values: dict[str, Any]) -> RowPrompt: ...
+
+
+class InputFormat(Protocol):
+    """An input format: how it is read, how its rows become prompts, what its output holds
+    beyond batchgen's own columns, and which final files it writes."""
+
+    def check(self, spec: JobSpec) -> None:
+        """Job-level checks of the spec for this format (BatchgenError, one line)."""
+
+    def open(self, spec: JobSpec) -> InputSource: ...
+
+    def read_columns(self, spec: JobSpec) -> list[str] | None:
+        """The input columns the rows need (None = all)."""
+
+    def check_columns(self, spec: JobSpec, source: InputSource) -> None:
+        """BatchgenError (one line) when the opened input lacks a column the job needs."""
+
+    def id_column(self, spec: JobSpec) -> str | None: ...
+
+    def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
+        """Columns copied from the input into every output row, with their types."""
+
+    def may_ask_logprobs(self, spec: JobSpec) -> bool: ...
+
+    def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> RowBuilder: ...
+
+    def write_results(self, spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
+        """Write the final file(s) from the committed shards -> {"result_file": ..., ...}."""
+
+    def report(self, spec: JobSpec, source: InputSource) -> str:
+        """A line for `batchgen validate` about the rows (e.g. how many cannot run and why)."""

@@ -1,0 +1,61 @@
+"""Parsed OpenAI Batch lines -> prompts: chat bodies through the chat template, completion
+prompts as text; a line that failed to parse, or names a model this job does not serve, becomes
+an error row that keeps its custom_id and error code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH, SAMPLING_COLUMN
+from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
+
+PROMPT_KEYS = ("system_prompt", "truncate")  # the [prompt] keys that apply to these files
+
+
+class RequestBuilder:
+    def __init__(
+        self,
+        config: PromptConfig,
+        tokenizer: Any,
+        max_prompt_tokens: int,
+        sampling: SamplingParams,
+        served_names: tuple[str, ...],
+    ) -> None:
+        self.served_names = served_names  # body.model must be one of these (or absent)
+        common = {
+            "id_column": ID_COLUMN,
+            "sampling_column": SAMPLING_COLUMN,
+            "passthrough": PASSTHROUGH,
+            "system_prompt": config.system_prompt,
+            "truncate": config.truncate,
+        }
+        args = (tokenizer, max_prompt_tokens, sampling)
+        self.chat = PromptBuilder(PromptConfig(messages_column="messages", **common), *args)
+        self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
+
+    def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
+        model = values.get("model")
+        unserved = model is not None and model not in self.served_names
+        if values.get("error_code") is None and unserved:
+            values = {
+                **values,
+                "error_code": "model_not_found",
+                "error_param": "model",
+                "error_message": (
+                    f"the model {model!r} does not exist here: this job serves "
+                    f"{', '.join(map(repr, self.served_names))} (declare other names with "
+                    "model.served_model_name)"
+                ),
+            }
+        if values.get("error_code") is not None:
+            passthrough = {c: _writable_value(values.get(c)) for c in PASSTHROUGH}
+            row_id = writable(values.get(ID_COLUMN) or "")
+            message = writable(values["error_message"])
+            return RowPrompt(index, row_id, None, {}, passthrough, message)
+        builder = self.chat if values.get("messages") is not None else self.text
+        return builder.build(index, values)
+
+
+def _writable_value(value: Any) -> Any:
+    return writable(value) if isinstance(value, str) else value

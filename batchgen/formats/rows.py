@@ -1,0 +1,65 @@
+"""The row formats (Parquet, JSONL, save_to_disk folders, hub datasets): each row's prompt,
+id and settings come from the columns that [prompt] names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from batchgen.errors import BatchgenError
+from batchgen.io import InputSource, OutputLayout, open_input
+from batchgen.io.final import write_final
+from batchgen.io.output_schema import RESERVED
+from batchgen.prompts import PromptBuilder
+
+if TYPE_CHECKING:
+    from batchgen.spec import JobSpec
+
+
+class RowsFormat:
+    def check(self, spec: JobSpec) -> None:
+        clash = [c for c in spec.prompt.passthrough if c in RESERVED]
+        if clash:
+            raise BatchgenError(
+                f"pass-through column {clash[0]!r} would overwrite an output column: "
+                "rename it in the input"
+            )
+
+    def open(self, spec: JobSpec) -> InputSource:
+        return open_input(spec.input)
+
+    def read_columns(self, spec: JobSpec) -> list[str] | None:
+        return spec.prompt.columns_used() or None
+
+    def id_column(self, spec: JobSpec) -> str | None:
+        return spec.prompt.id_column
+
+    def check_columns(self, spec: JobSpec, source: InputSource) -> None:
+        needed = spec.prompt.columns_used()
+        if source.sampled:  # JSONL: a column the first rows lack may come later, rows vary
+            needed = spec.prompt.required_columns() if source.columns else []
+        missing = [c for c in needed if source.columns is not None and c not in source.columns]
+        if missing:
+            raise BatchgenError(
+                f"input has no column {missing[0]!r} (columns: "
+                f"{', '.join(source.columns)}): fix [prompt] or the input"
+            )
+
+    def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
+        return {name: source.types.get(name) for name in spec.prompt.passthrough}
+
+    def may_ask_logprobs(self, spec: JobSpec) -> bool:
+        return spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None
+
+    def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> PromptBuilder:
+        return PromptBuilder(spec.prompt, tokenizer, max_prompt_tokens, spec.sampling)
+
+    def write_results(self, spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
+        result = layout.results(spec.output.format)
+        write_final(layout, spec.output.format, result)
+        return {"result_file": str(result)}
+
+    def report(self, spec: JobSpec, source: InputSource) -> str:
+        rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"
+        return f"{source.description}, {rows} rows"

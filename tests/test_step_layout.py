@@ -1,0 +1,46 @@
+"""The per-step buffer: what prepare_step packs, the declared layout unpacks field by field."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen import SamplingParams
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.step_inputs import prepare_step
+from batchgen.engine.step_layout import (
+    REQUEST_FLOATS,
+    REQUEST_INTS,
+    unpack_sampling,
+    unpack_step,
+)
+
+
+def test_every_declared_field_round_trips_through_the_buffer() -> None:
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=3),
+        SamplingParams(min_p=0.2, repetition_penalty=1.3, presence_penalty=0.5, min_new_tokens=2),
+    ]
+    requests = [
+        Request(str(i), list(range(3 + 4 * i)), p, 0, 100, frozenset({1}), rng_key=11 + i)
+        for i, p in enumerate(params)
+    ]
+    scheduler = Scheduler(BlockManager(32, 4), 8, 64, True)
+    for r in requests:
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    host, flat = prepare_step(batch)
+    step = unpack_step(flat, host.layout)
+    sampling = unpack_sampling(flat, host.layout)
+    assert host.layout.size == flat.numel()
+    assert step.cu_seqlens.tolist() == host.cu_seqlens and step.ids.tolist()[:3] == [0, 1, 2]
+    assert sampling.rng_keys.tolist() == [11, 12]
+    for name, get in (*REQUEST_INTS.items(), *REQUEST_FLOATS.items()):
+        assert getattr(sampling, name).tolist() == [get(p) for p in params], name
+    assert sampling.bans.tolist() == [[1, 1]]  # min_new_tokens bans eos on the second row
+    assert sampling.updates.shape[1] == 3 and sampling.updates.shape[0] == 1 + 2
+    assert all(r.num_synced_blocks == 0 for r in requests), "prepare_step changes no request"
+    assert [(r.request_id, n) for r, n in host.synced] == [("0", 1), ("1", 2)]
+    assert host.flags.any_random and host.flags.any_top_k and host.flags.logprobs_k == 3
+    assert torch.equal(step.seq_slots, torch.tensor([r.slot for r in requests]))
