@@ -203,19 +203,31 @@ def test_sampler_is_capturable_in_a_cuda_graph() -> None:
 
 
 def test_closed_engine_gives_back_its_memory_and_blocks(model_dir) -> None:
-    """close() frees the KV cache, graphs and their pool at once: after the process's one-time
-    start-up (library handles, kernel modules: paid by the first engine), every further engine
-    sizes the same cache, and device memory returns to where it was after each close."""
+    """close() frees the KV cache, graphs and their pool at once (no garbage collection runs
+    meanwhile): after the process's one-time start-up (library handles, kernel modules: paid by
+    the first engine), every further engine sizes the same cache, and device memory returns to
+    where it was after each close."""
+    import gc
+
     path = model_dir("llama")
+    gc.collect()  # what earlier tests left behind goes now, not in the middle of this test
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     config = EngineConfig(device="cuda", kv_cache_memory_fraction=0.3)
     blocks, free = [], []
-    for _ in range(3):
-        engine = Engine(path, config)
-        list(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4)))
-        blocks.append(engine.num_blocks)
-        engine.close()
-        free.append(torch.cuda.mem_get_info()[0])
-        assert torch.cuda.memory_allocated() < 64 * 2**20, "nothing of the engine stays allocated"
+    gc.disable()
+    try:
+        for _ in range(3):
+            engine = Engine(path, config)
+            list(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4)))
+            blocks.append(engine.num_blocks)
+            engine.close()
+            free.append(torch.cuda.mem_get_info()[0])
+            left = torch.cuda.memory_allocated() - before
+            assert left < 64 * 2**20, f"{left / 2**20:.0f} MiB still allocated after close()"
+    finally:
+        gc.enable()
     assert blocks[1] == blocks[2] and free[1] == free[2], (blocks, free)
     assert blocks[0] - blocks[1] < blocks[0] // 1000, "the first engine's start-up cost is small"
 
