@@ -203,7 +203,7 @@ class Generator:
                 else "pass checkpoint_dir= to keep finished rows across an interruption"
             )
             raise BatchgenError(f"generation stopped before the end; {hint}")
-        return Path(result.summary["result_file"])
+        return Path(result.result_file)
 
 
 def generate(

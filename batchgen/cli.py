@@ -163,7 +163,7 @@ def run(
     summary = result.summary
     click.echo(json.dumps(summary, indent=2))
     if not result.interrupted and not result.complete:
-        committed = summary["rows_committed_total"]
+        committed = result.rows_committed
         click.echo(
             f"batchgen: error: the job ended with rows not committed ({committed} are in "
             f"{spec.output.dir}): run the same command again to finish it",
@@ -172,7 +172,7 @@ def run(
         sys.exit(EXIT_INCOMPLETE)
     if result.interrupted:
         click.echo(
-            f"batchgen: interrupted; {summary['rows_committed_total']} rows are committed in "
+            f"batchgen: interrupted; {result.rows_committed} rows are committed in "
             f"{spec.output.dir}. Run the same command again to resume.",
             err=True,
         )

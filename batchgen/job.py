@@ -48,9 +48,11 @@ IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs
 
 
 class JobResult(NamedTuple):
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # what summary.json holds (for people and scripts)
     interrupted: bool
-    complete: bool
+    complete: bool  # every input row is in a committed shard (read back)
+    rows_committed: int = 0  # input rows in committed shards, over all runs
+    result_file: str | None = None  # the final file, when the job completed
 
 
 class Hooks(NamedTuple):
@@ -185,7 +187,7 @@ def _run(
     summary |= _write_results(spec, layout) if complete and spec.output.final_file else {}
     summary.setdefault("result_file", None)
     write_json_atomic(layout.summary, summary)
-    return JobResult(summary, stop.is_set(), complete)
+    return JobResult(summary, stop.is_set(), complete, len(after.indexes), summary["result_file"])
 
 
 def _previous(layout: OutputLayout, force: bool) -> Manifest | None:

@@ -2,13 +2,15 @@
 
 Each section maps onto a frozen dataclass that owns its defaults and validation; [runtime]
 holds the EngineConfig and PipelineConfig fields. An unknown key or a value of the wrong type is
-an error naming the key.
+an error naming the key. (pydantic was considered: its messages are no clearer than these, which
+name the section, key, value and what is allowed, and the dataclasses need no dependency.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 import tomllib
 import types
 import typing
@@ -131,12 +133,12 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
             continue
         joined = base / value
         if always or glob.glob(str(joined)) or joined.exists():
-            table[section][key] = str(joined)
+            table[section][key] = os.path.normpath(joined)
     model = table.get("model")
     if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"]:
         joined = base / model["path"]
         if not Path(model["path"]).expanduser().is_absolute() and joined.exists():
-            model["path"] = str(joined)
+            model["path"] = os.path.normpath(joined)
 
 
 def apply_override(table: dict[str, Any], item: str) -> str:

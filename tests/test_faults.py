@@ -332,3 +332,31 @@ def test_a_lost_lock_stops_the_writer_then_the_rerun_completes(
     monkeypatch.undo()
     assert run_job(spec_for(model, inp, out, *sets)).complete
     assert [r["index"] for r in read_rows(out)] == list(range(20))
+
+
+def test_openai_lines_with_lone_surrogates_or_huge_n_are_error_lines(model_dir, tmp_path: Path):
+    lines = [
+        '{"custom_id": "ok", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "hi", "max_tokens": 2}}',
+        '{"custom_id": "x\\udc00", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "hi", "max_tokens": 2}}',
+        '{"custom_id": "big", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "hi", "n": 100000000}}',
+        '{"custom_id": "m", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "hi", "model": "\\ud800"}}',
+    ]
+    spec = spec_for(
+        model_dir("llama"), lines_input(tmp_path, lines), tmp_path / "out",
+        "input.format='openai-batch'",
+    )  # fmt: skip
+    assert run_job(spec).complete
+    ok = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    bad = [json.loads(x) for x in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
+    assert [json.loads(x)["custom_id"] for x in ok] == ["ok"]
+    assert [x["custom_id"] for x in bad] == ["x\\udc00", "big", "m"]  # escaped, not dropped
+    codes = [x["response"]["body"]["error"]["code"] for x in bad]
+    assert (
+        codes[1] == "invalid_value"
+        and "n=100000000" in bad[1]["response"]["body"]["error"]["message"]
+    )
+    assert "not valid Unicode" in bad[0]["response"]["body"]["error"]["message"]

@@ -53,7 +53,8 @@ def run_batchgen(
     # warm-up on a slice of the same prompts: Triton compiles every kernel variant here
     warmup = SamplingParams(max_new_tokens=8, ignore_eos=True)
     list(engine.generate(prompts[:64], warmup, decode=False))
-    engine.runner.timeline = []
+    timeline = CudaTimeline()
+    engine.runner.step_hook = timeline
     params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -68,15 +69,34 @@ def run_batchgen(
         "graph_capture_s": graphs.report.seconds if graphs else None,
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
-        **step_breakdown(engine.runner.timeline, seconds),
+        **step_breakdown(timeline.steps, seconds),
     }
-    idle = gpu_idle_share(engine.runner.timeline)
+    idle = gpu_idle_share(timeline.steps)
     name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
     engine.close()
     del engine, graphs
     gc.collect()
     torch.cuda.empty_cache()
     return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle), info
+
+
+class CudaTimeline:
+    """The runner's step hook for a benchmark: (start, end, graphed) CUDA events per step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+
+    def begin(self) -> torch.cuda.Event:
+        return _event()
+
+    def end(self, mark: torch.cuda.Event, graphed: bool) -> None:
+        self.steps.append((mark, _event(), graphed))
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def step_breakdown(timeline: list, wall_s: float) -> dict:

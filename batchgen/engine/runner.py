@@ -6,6 +6,7 @@ import contextlib
 import warnings
 from functools import partial
 from itertools import pairwise
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -84,6 +85,14 @@ def _capture_or_explain(runner: ModelRunner) -> tuple[DecodeGraphs | None, str |
         return None, note
 
 
+class StepHook(Protocol):
+    """Observes launched steps: begin() before the step's device work is queued, end() after."""
+
+    def begin(self) -> Any: ...
+
+    def end(self, mark: Any, graphed: bool) -> None: ...
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the device block tables, the token relay and the buffers.
 
@@ -131,8 +140,8 @@ class ModelRunner:
         seqs = config.max_num_seqs
         size = Layout(config.max_num_batched_tokens, seqs, seqs, U=seqs).size  # grows if needed
         self.transfer = Transfer(size, seqs, device)
-        # (start, end, graphed) CUDA events per step when a benchmark asks for a timeline
-        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] | None = None
+        # called around each launched step (a benchmark's timeline); None = nothing
+        self.step_hook: StepHook | None = None
         self.fused: list[torch.nn.Module] = []
         self.rope = contextlib.nullcontext
         # a caller's model keeps its own attention outside batchgen's forward passes
@@ -157,7 +166,7 @@ class ModelRunner:
         for request, synced in host.synced:  # the new block-table entries are on their way
             request.num_synced_blocks = synced
         flat = self.transfer.to_device(staged)
-        start = self._mark()
+        mark = self.step_hook.begin() if self.step_hook is not None else None
         sampling = unpack_sampling(flat, host.layout)
         if host.layout.U:
             updates = sampling.updates
@@ -170,8 +179,8 @@ class ModelRunner:
         if host.layout.S:
             tokens, logprobs = self.sampler(logits, sampling, host.flags, self.penalties)
             self.relay[sampling.slots] = tokens
-        if start is not None:
-            self.timeline.append((start, self._mark(), bool(pad_to)))
+        if self.step_hook is not None:
+            self.step_hook.end(mark, graphed=bool(pad_to))
         real = batch.num_samples
         return self.transfer.finish(tokens[:real], None if logprobs is None else logprobs[:real])
 
@@ -179,13 +188,6 @@ class ModelRunner:
         if self.penalties is None:
             self.penalties = PenaltyState(self.relay.shape[0], self.shape.vocab_size, self.device)
         return self.penalties
-
-    def _mark(self) -> torch.cuda.Event | None:
-        if self.timeline is None:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def forward(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
         """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""

@@ -19,15 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import pyarrow.parquet as pq
-
 from batchgen.formats.openai_batch.requests import CHAT_URL
 from batchgen.io.atomic import write_atomic
+from batchgen.io.checkpoint import iter_shard_rows
 from batchgen.io.final import write_final
 from batchgen.io.layout import OutputLayout, temp_path
 
 Row = dict[str, Any]
-READ_BATCH_ROWS = 1024  # rows read at a time from the sorted intermediate file
 
 
 def write_openai_results(
@@ -42,23 +40,12 @@ def write_openai_results(
     created = int(time.time())
 
     def fill(ok_file: IO[bytes], error_file: IO[bytes]) -> tuple[int, int]:
-        return _emit(_groups(_read_rows(sorted_rows)), ok_file, error_file, model, created)
+        return _emit(_groups(iter_shard_rows(sorted_rows)), ok_file, error_file, model, created)
 
     try:  # both files atomically: errors first, then results
         return write_atomic(results, lambda ok: write_atomic(errors, lambda bad: fill(ok, bad)))
     finally:
         sorted_rows.unlink(missing_ok=True)
-
-
-def _read_rows(path: Path) -> Iterator[Row]:
-    if path.suffix == ".parquet":
-        for batch in pq.ParquetFile(path).iter_batches(READ_BATCH_ROWS):
-            yield from batch.to_pylist()
-        return
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
 
 
 def _groups(rows: Iterator[Row]) -> Iterator[list[Row]]:
