@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.errors import BatchgenError
+from batchgen.formats import input_format
 from batchgen.io import InputConfig, OutputConfig, dataset_source
 from batchgen.io.output_schema import output_columns as schema_columns
 from batchgen.job import run_job
@@ -221,7 +222,7 @@ def generate(
 
 def output_columns(spec: JobSpec) -> list[str]:
     """The columns a call adds, decided by its arguments (not by what the rows hold)."""
-    logprobs = spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None
+    logprobs = input_format(spec.input.format).may_ask_logprobs(spec)
     own = schema_columns(logprobs=logprobs, token_ids=spec.output.include_token_ids)
     return [c for c in own if c not in JOIN_KEYS]
 
@@ -230,9 +231,8 @@ def output_features(spec: JobSpec) -> Any:
     """datasets Features of every column a call can add (from the one output schema)."""
     import datasets
 
-    own = schema_columns(logprobs=True, token_ids=True)
-    schema = pa.schema([(c, t) for c, t in own.items() if c not in JOIN_KEYS])
-    return datasets.Features.from_arrow_schema(schema)
+    every = [c for c in schema_columns(logprobs=True, token_ids=True) if c not in JOIN_KEYS]
+    return datasets.Features.from_arrow_schema(output_features_schema(every))
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from batchgen.io.checkpoint import (
     write_manifest,
 )
 from batchgen.io.output_location import check_output_outside_input
-from batchgen.io.output_schema import output_columns, shard_schema
+from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
 from batchgen.prompts import RowPrompt
 from batchgen.spec import JobSpec
@@ -231,14 +231,7 @@ def _check_resumable(
 ) -> None:
     if previous is None or force:
         return
-    recorded = previous.identity
-    if "settings" in parts and "model" not in parts:  # before the model loads
-        keys = set(current["settings"])
-        recorded = {
-            **recorded,
-            "settings": {k: v for k, v in recorded["settings"].items() if k in keys},
-        }
-    changes = identity_changes(recorded, current, parts)
+    changes = identity_changes(previous.identity, current, parts)
     if changes:
         more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
         raise BatchgenError(
@@ -306,7 +299,7 @@ def _run_pipeline(
         spec.pipeline.tokenizer_threads,
         spec.pipeline.prefetch_batches,
         halt,
-        hash_rows=source.fingerprint() is None,
+        hash_rows=INPUT_HASH in columns,
     )
     out = spec.output
     writer = ShardWriter(

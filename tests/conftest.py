@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models of several architectures, built once per session."""
+"""Shared fixtures: tiny random models of several architectures, built once per test run."""
 
 from __future__ import annotations
 

@@ -360,3 +360,51 @@ def test_openai_lines_with_lone_surrogates_or_huge_n_are_error_lines(model_dir, 
         and "n=100000000" in bad[1]["response"]["body"]["error"]["message"]
     )
     assert "not valid Unicode" in bad[0]["response"]["body"]["error"]["message"]
+
+
+KILL_AT_RENAME = """
+import os, sys, time
+from pathlib import Path
+target, marker = sys.argv[1], Path(sys.argv[2])
+real = os.replace
+def replace(src, dst, *a, **k):
+    if str(dst).endswith(target):  # the file is written whole; stop before it is renamed
+        marker.write_text("ready")
+        time.sleep(600)
+    return real(src, dst, *a, **k)
+os.replace = replace
+from batchgen.cli import main
+main(sys.argv[3:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["job.json", "results.jsonl"])
+def test_sigkill_while_writing_the_manifest_or_the_final_file(
+    model_dir, tmp_path: Path, target: str
+) -> None:
+    """A real SIGKILL at the moment the manifest or the final file is about to become visible;
+    the rerun completes exactly once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(6)])
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    args = ["run", "--model", str(model_dir("llama")), "--input", str(inp), "--output", str(out)]
+    args += ["--quiet", "--max-new-tokens", "3", "--output-format", "jsonl"]
+    cmd = [sys.executable, "-c", KILL_AT_RENAME, target, str(marker), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / target).exists() and list(out.glob(".tmp-*")), "killed before the rename"
+    rerun = CliRunner().invoke(main, args)
+    assert rerun.exit_code == 0, rerun.output
+    assert [r["index"] for r in read_rows(out)] == list(range(6))
+    assert not list(out.rglob(".tmp-*"))

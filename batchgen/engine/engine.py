@@ -80,6 +80,7 @@ class Engine:
         )
         self.runner = ModelRunner(
             self.model,
+            self.shape,
             self.config,
             self.device,
             self.dtype,

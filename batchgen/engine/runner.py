@@ -22,7 +22,7 @@ from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
 from batchgen.engine.graphs import DecodeGraphs
-from batchgen.engine.model_loader import ModelShape, model_shape
+from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
 from batchgen.engine.step_inputs import HostStep, prepare_step
@@ -64,25 +64,27 @@ def plan_num_blocks(
     return num_blocks
 
 
-def _capture_or_explain(runner: ModelRunner) -> tuple[DecodeGraphs | None, str | None]:
-    """Decode graphs, or (None, why) when the model's forward cannot be captured (a layer
-    that copies from the host or synchronizes, e.g. some mixture-of-experts kernels): its
-    decode steps then run eagerly, with the same results."""
+def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
+    """Decode graphs, or None with a warning when the model's forward cannot be captured (a
+    layer that copies from the host or synchronizes, e.g. some mixture-of-experts kernels):
+    its decode steps then run eagerly, with the same results."""
     try:
         config = runner.config
         limit = min(config.max_num_seqs, config.max_num_batched_tokens)
         graphs = DecodeGraphs(
             runner.forward, runner.device, runner.pad_slot, config.cuda_graph_batch_sizes, limit
         )
-        return graphs, None
+        return graphs
     except Exception as exc:  # capture failed: leave the device usable and run eagerly
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(runner.device)
         text = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
-        note = f"CUDA graphs are off for this model, decode steps run eagerly ({reason})"
-        warnings.warn(f"batchgen: {note}", stacklevel=2)
-        return None, note
+        warnings.warn(
+            f"batchgen: CUDA graphs are off for this model, decode steps run eagerly ({reason})",
+            stacklevel=2,
+        )
+        return None
 
 
 class StepHook(Protocol):
@@ -103,6 +105,7 @@ class ModelRunner:
     def __init__(
         self,
         model: PreTrainedModel,
+        shape: ModelShape,
         config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
@@ -113,8 +116,8 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = device
-        self.shape = model_shape(model)
-        s = self.shape
+        self.shape = shape  # measured once by the engine (model_shape runs a forward pass)
+        s = shape
         # one extra block: the scratch block that padding rows read and write
         self.kv_cache = KVCache.allocate(
             s.num_layers,
@@ -150,13 +153,12 @@ class ModelRunner:
             self.fused = fuse_modules(model)
             self.rope = RopeSwap(model).active
         self.graphs: DecodeGraphs | None = None
-        self.graph_note: str | None = None  # why decode steps run eagerly, when graphs failed
         if (
             device.type == "cuda"
             and config.cuda_graphs
             and getattr(self.backend, "graphable", False)
         ):
-            self.graphs, self.graph_note = _capture_or_explain(self)
+            self.graphs = _capture_or_warn(self)
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> StepOutput:

@@ -14,6 +14,7 @@ prepare_step reads requests and never changes them: what the step sent is return
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from batchgen.engine.scheduler import Batch, ScheduledChunk
 from batchgen.engine.step_layout import (
     MODEL_SEGMENTS,
     PAD_CONSTANTS,
+    REQUEST_FLOATS,
     REQUEST_INTS,
     TAIL_SEGMENTS,
     Layout,
@@ -31,6 +33,9 @@ from batchgen.engine.step_layout import (
 _TOP_K = list(REQUEST_INTS).index("top_k")
 _LOGPROBS_K = list(REQUEST_INTS).index("logprobs_k")
 _TRACK = list(REQUEST_INTS).index("track")
+_TEMPERATURE = list(REQUEST_FLOATS).index("temperature")
+_TOP_P = list(REQUEST_FLOATS).index("top_p")
+_MIN_P = list(REQUEST_FLOATS).index("min_p")
 
 
 class SamplingFlags(NamedTuple):
@@ -85,35 +90,35 @@ def prepare_step(
     S = len(L.samples)
     tail_rows = [len(getattr(L, name)) // width for name, _, width in TAIL_SEGMENTS]
     layout = Layout(len(L.ids), len(L.context_lens), S, *tail_rows)
-    ints = [v for name, _ in MODEL_SEGMENTS for v in getattr(L, name)]
-    if S:
-        for column in (*zip(*L.samples, strict=True), *zip(*L.sample_ints, strict=True)):
-            ints.extend(column)
-    floats = [v for column in zip(*L.sample_floats, strict=True) for v in column] if S else []
+    # columns of the per-row values, transposed once: packed, and read for the flags
+    int_cols = list(zip(*L.sample_ints, strict=True)) if S else []
+    float_cols = list(zip(*L.sample_floats, strict=True)) if S else []
+    ints = list(chain.from_iterable(getattr(L, name) for name, _ in MODEL_SEGMENTS))
+    ints.extend(chain.from_iterable((*zip(*L.samples, strict=True), *int_cols)))
+    tail = chain.from_iterable(getattr(L, name) for name, _, _ in TAIL_SEGMENTS)
     flat = torch.cat(
         [
             torch.tensor(ints, dtype=torch.int64),
-            torch.tensor(floats, dtype=torch.float64).view(torch.int64),
-            torch.tensor(
-                [v for name, _, _ in TAIL_SEGMENTS for v in getattr(L, name)], dtype=torch.int64
+            torch.tensor(list(chain.from_iterable(float_cols)), dtype=torch.float64).view(
+                torch.int64
             ),
+            torch.tensor(list(tail), dtype=torch.int64),
         ]
     )
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
-    flags = _flags(L) if S else SamplingFlags()
+    flags = _flags(int_cols, float_cols) if S else SamplingFlags()
     host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)
     return host, flat
 
 
-def _flags(L: _Lists) -> SamplingFlags:
-    ints = list(zip(*L.sample_ints, strict=True))
-    temperature, top_p, min_p = list(zip(*L.sample_floats, strict=True))[:3]
+def _flags(int_cols: list[tuple[int, ...]], float_cols: list[tuple[float, ...]]) -> SamplingFlags:
+    temperature, top_p, min_p = float_cols[_TEMPERATURE], float_cols[_TOP_P], float_cols[_MIN_P]
     return SamplingFlags(
         any_random=any(temperature),
-        any_top_k=any(ints[_TOP_K]),
+        any_top_k=any(int_cols[_TOP_K]),
         any_top_p_min_p=min(top_p) < 1.0 or any(min_p),
-        any_penalty=any(ints[_TRACK]),
-        logprobs_k=max(ints[_LOGPROBS_K]),
+        any_penalty=any(int_cols[_TRACK]),
+        logprobs_k=max(int_cols[_LOGPROBS_K]),
     )
 
 

@@ -39,12 +39,13 @@ Key = tuple[int, int]  # (input index, sample index)
 def identity_changes(
     recorded: dict[str, Any], current: dict[str, Any], parts: tuple[str, ...]
 ) -> list[str]:
-    """Human-readable differences between two identities, over the named parts."""
+    """Human-readable differences between two identities, over the named parts. Settings are
+    compared on the keys `current` holds (before the model loads it holds fewer)."""
     out: list[str] = []
     for part in parts:
         old, new = recorded.get(part), current.get(part)
         if part == "settings":
-            for key in sorted(set(old or {}) | set(new or {})):
+            for key in sorted(new or {}):
                 a, b = (old or {}).get(key), (new or {}).get(key)
                 if a != b:
                     out.append(f"setting {key} changed ({a!r} -> {b!r})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,8 @@ _STEP: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar
 _AUDIT: contextvars.ContextVar[Audit | None] = contextvars.ContextVar(
     "batchgen_audit", default=None
 )
+# each attention module's LayerSpec, computed on its first call (dropped with the module)
+_SPECS: weakref.WeakKeyDictionary[torch.nn.Module, LayerSpec] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -125,7 +128,9 @@ def batchgen_attention(
     audit = _AUDIT.get()
     if audit is not None:
         audit.record(module, kwargs)
-    spec = layer_spec(module, query.shape[-1], scaling, kwargs)
+    spec = _SPECS.get(module)
+    if spec is None:  # what a layer computes is fixed for its life: worked out once
+        spec = _SPECS[module] = layer_spec(module, query.shape[-1], scaling, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     width = meta.kv_cache.keys[0].shape[-1]
     dv = v.shape[-1]
