@@ -160,8 +160,7 @@ def run(
             result = run_job(spec, force_resume=force_resume, stop=stop)
     except BatchgenError as exc:
         _fail(exc)
-    summary = result.summary
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(result.summary.to_dict(), indent=2))
     if not result.interrupted and not result.complete:
         committed = result.rows_committed
         click.echo(
@@ -245,6 +244,15 @@ class _stop_on_signals:
 )
 @click.option("--requests", type=int, help="Run fewer requests than the workload has.")
 @click.option(
+    "--job",
+    "job_rows",
+    type=int,
+    metavar="ROWS",
+    help="Instead: the full job path (text Parquet -> shards) against the engine alone on the "
+    "same ROWS text prompts (workload's prompt lengths and output tokens; --new-tokens).",
+)
+@click.option("--new-tokens", type=int, help="With --job: output tokens per row.")
+@click.option(
     "--set",
     "sets",
     multiple=True,
@@ -264,15 +272,26 @@ def bench(
     workload: str,
     systems: str,
     requests: int | None,
+    job_rows: int | None,
+    new_tokens: int | None,
     sets: tuple[str, ...],
     results: str,
 ) -> None:
     """Time batchgen against Hugging Face on a random-weight model (needs a GPU)."""
     from pathlib import Path
 
-    from batchgen.bench.run import SYSTEMS, record, run_bench, table
+    from batchgen.bench.run import SYSTEMS, record, run_bench, run_job_bench, table
     from batchgen.spec import engine_config
 
+    command = "batchgen bench " + " ".join(sys.argv[2:])
+    if job_rows is not None:
+        try:
+            text = run_job_bench(shape, workload, job_rows, new_tokens, engine_config(list(sets)))
+        except BatchgenError as exc:
+            _fail(exc)
+        record(f"job path, {shape}", text, Path(results), command)
+        click.echo(text)
+        return
     try:
         chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
         unknown = [s for s in chosen if s not in SYSTEMS]
@@ -282,5 +301,5 @@ def bench(
     except BatchgenError as exc:
         _fail(exc)
     text = table(report)
-    record(report, text, Path(results), "batchgen bench " + " ".join(sys.argv[2:]))
+    record(f"{report['shape']} {report['workload']}", text, Path(results), command)
     click.echo(text)

@@ -24,6 +24,7 @@ from batchgen.engine.attention.select import check_backend
 from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
+from batchgen.formats.base import FinalFiles
 from batchgen.io import InputSource, OutputLayout, ShardWriter
 from batchgen.io.atomic import write_json_atomic
 from batchgen.io.checkpoint import (
@@ -43,16 +44,29 @@ from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
 from batchgen.prompts import RowPrompt
 from batchgen.spec import JobSpec
+from batchgen.summary import JobSummary
 
 IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs nothing
 
 
 class JobResult(NamedTuple):
-    summary: dict[str, Any]  # what summary.json holds (for people and scripts)
+    summary: JobSummary  # what summary.json holds (for people and scripts)
     interrupted: bool
-    complete: bool  # every input row is in a committed shard (read back)
-    rows_committed: int = 0  # input rows in committed shards, over all runs
-    result_file: str | None = None  # the final file, when the job completed
+
+    @property
+    def complete(self) -> bool:
+        """Every input row is in a committed shard (read back)."""
+        return self.summary.complete
+
+    @property
+    def rows_committed(self) -> int:
+        """Input rows in committed shards, over all runs."""
+        return self.summary.rows_committed_total
+
+    @property
+    def result_file(self) -> str | None:
+        """The final file, when the job completed."""
+        return self.summary.result_file
 
 
 class Hooks(NamedTuple):
@@ -132,6 +146,7 @@ def run_job(
     note: where warnings go (default: stderr).
     """
     note = note or _to_stderr
+    started = time.perf_counter()
     source = check_job(spec, source)
     if engine is None:
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
@@ -141,7 +156,10 @@ def run_job(
         fingerprint = source.fingerprint()
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
         _check_resumable(layout, previous, current, ("settings", "input"), force_resume)
-        engine = engine or Engine(spec.model.path, spec.engine)
+        startup = {"checks": round(time.perf_counter() - started, 3)}
+        if engine is None:
+            engine = Engine(spec.model.path, spec.engine)
+            startup |= engine.startup_s
         if engine.tokenizer is None:
             raise BatchgenError(
                 f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one"
@@ -156,7 +174,9 @@ def run_job(
             _verify_rows(spec, source, committed)
         if hooks.on_start is not None:
             hooks.on_start(layout, committed)
-        return _run(spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock)
+        return _run(
+            spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
+        )
 
 
 def _run(
@@ -170,6 +190,7 @@ def _run(
     hooks: Hooks,
     resuming: bool,
     lock: DirectoryLock,
+    startup: dict[str, float],
 ) -> JobResult:
     stop = stop or threading.Event()
     started = time.perf_counter()
@@ -182,12 +203,24 @@ def _run(
     after = scan_committed(layout, _to_stderr)
     read_all = producer.finished and not stop.is_set()
     complete = read_all and after.indexes >= set(range(producer.rows_read))
-    summary = _summary(stats, time.perf_counter() - started, resuming, len(after.indexes))
-    summary["complete"] = complete
-    summary |= _write_results(spec, layout) if complete and spec.output.final_file else {}
-    summary.setdefault("result_file", None)
-    write_json_atomic(layout.summary, summary)
-    return JobResult(summary, stop.is_set(), complete, len(after.indexes), summary["result_file"])
+    files = _write_results(spec, layout) if complete and spec.output.final_file else None
+    if stats.first_row_at is not None:
+        startup["first_row"] = round(stats.first_row_at - started, 3)
+    summary = JobSummary(
+        rows_ok=stats.rows_ok,
+        rows_error=stats.rows_error,
+        prompt_tokens=stats.prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        wall_s=time.perf_counter() - started,
+        rows_committed_total=len(after.indexes),
+        resumed=resuming,
+        complete=complete,
+        result_file=None if files is None else files.result_file,
+        error_file=None if files is None else files.error_file,
+        startup_s=startup,
+    )
+    write_json_atomic(layout.summary, summary.to_dict())
+    return JobResult(summary, stop.is_set())
 
 
 def _previous(layout: OutputLayout, force: bool) -> Manifest | None:
@@ -297,7 +330,7 @@ def _run_pipeline(
         done,
         id_column,
         spec.pipeline.tokenizer_threads,
-        spec.pipeline.prefetch_batches,
+        spec.pipeline.prefetch_batches * source.batch_rows,
         halt,
         hash_rows=INPUT_HASH in columns,
     )
@@ -315,9 +348,12 @@ def _run_pipeline(
     )
     producer.start()
     consumer.start()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(spec.pipeline.switch_interval_ms / 1e3)
     try:
         _drive_engine(engine, spec, producer, consumer, stop, hooks.admit)
     finally:
+        sys.setswitchinterval(switch)
         halt.set()
         consumer.queue.put(None)
         wait_for(consumer)
@@ -429,21 +465,7 @@ def _progress(bar: tqdm, started: float) -> Any:
     return on_row
 
 
-def _summary(stats: Stats, wall_s: float, resumed: bool, committed: int) -> dict[str, Any]:
-    return {
-        "rows_ok": stats.rows_ok,
-        "rows_error": stats.rows_error,
-        "prompt_tokens": stats.prompt_tokens,
-        "generated_tokens": stats.generated_tokens,
-        "wall_s": round(wall_s, 3),
-        "generated_tokens_per_s": round(stats.generated_tokens / max(wall_s, 1e-9), 1),
-        "rows_per_s": round((stats.rows_ok + stats.rows_error) / max(wall_s, 1e-9), 2),
-        "rows_committed_total": committed,
-        "resumed": resumed,
-    }
-
-
-def _write_results(spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
+def _write_results(spec: JobSpec, layout: OutputLayout) -> FinalFiles:
     """The final file(s) in input order (the format decides which)."""
     try:
         return input_format(spec.input.format).write_results(spec, layout)

@@ -18,10 +18,11 @@ from typing import Any
 from batchgen.engine import NOT_READY
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
-from batchgen.io.output_schema import INPUT_HASH
+from batchgen.io.output_schema import OutputRow
 from batchgen.prompts import PromptBuilder, RowPrompt
 
 _POLL_S = 0.2
+PREPARE_ROWS = 128  # rows per tokenizer task: the engine's first rows wait for one task only
 
 
 def row_hash(row: RawRow) -> str:
@@ -41,7 +42,7 @@ class Producer(threading.Thread):
         done: set[int],
         id_column: str | None,
         threads: int,
-        prefetch: int,
+        prefetch_rows: int,
         stop: threading.Event,
         hash_rows: bool = False,
     ) -> None:
@@ -52,7 +53,8 @@ class Producer(threading.Thread):
         self.id_column = id_column
         self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
-        self.queue: queue.Queue[Future[list[RowPrompt]] | None] = queue.Queue(maxsize=prefetch)
+        self.queue: queue.Queue[Future[list[RowPrompt]] | None]
+        self.queue = queue.Queue(maxsize=max(1, prefetch_rows // PREPARE_ROWS))
         self.stop = stop
         self.error: BaseException | None = None
         self.rows_read = 0  # rows of the input read so far (committed ones included)
@@ -66,8 +68,10 @@ class Producer(threading.Thread):
         try:
             for batch in self.batches:
                 todo = [(row, dup) for row in batch for keep, dup in [self._check(row)] if keep]
-                if todo and not self._put(self.pool.submit(self._prepare, todo)):
-                    return
+                for start in range(0, len(todo), PREPARE_ROWS):  # the first rows go out soon
+                    part = todo[start : start + PREPARE_ROWS]
+                    if not self._put(self.pool.submit(self._prepare, part)):
+                        return
                 if self.stop.is_set():
                     return
             self.finished = True
@@ -114,6 +118,8 @@ class Producer(threading.Thread):
         return row.index not in self.done, duplicate
 
     def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
+        readable = [(row.index, row.values) for row, _ in rows if row.values is not None]
+        built = iter(self.builder.build_many(readable))
         out = []
         for row, duplicate in rows:
             digest = row_hash(row) if self.hash_rows else None
@@ -121,7 +127,7 @@ class Producer(threading.Thread):
                 row_id = str(row.index) if self.id_column is None else ""
                 out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error, digest))
                 continue
-            prepared = self.builder.build(row.index, row.values)._replace(input_hash=digest)
+            prepared = next(built)._replace(input_hash=digest)
             if duplicate is not None:
                 prepared = prepared._replace(
                     prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
@@ -145,6 +151,7 @@ class Stats:
     rows_error: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    first_row_at: float | None = None  # perf_counter when the first row was finished
 
 
 class Consumer(threading.Thread):
@@ -169,7 +176,7 @@ class Consumer(threading.Thread):
         self.on_row = on_row
         self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
         self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
-        self._samples: dict[int, list[dict[str, Any]]] = {}  # index -> finished samples so far
+        self._samples: dict[int, list[OutputRow]] = {}  # index -> finished samples so far
         self.stats = Stats()
         self.error: BaseException | None = None
         self.failed = threading.Event()
@@ -192,41 +199,43 @@ class Consumer(threading.Thread):
 
     def _collect(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
         """Write an input row's samples together, once the last of them has finished."""
+        if self.stats.first_row_at is None:
+            self.stats.first_row_at = time.perf_counter()
         group = self._samples.setdefault(prompt.index, [])
         group.append(self._row(prompt, out))
         if out is None or out.last:
             del self._samples[prompt.index]
-            rows = sorted(group, key=lambda r: r["sample_index"])
-            self.writer.add_group(rows)
-            self._count(rows)
+            group.sort(key=lambda r: r.sample_index)
+            records = [row.record(self.writer.columns) for row in group]
+            self.writer.add_group(records)
+            self._count(group)
             if self.on_rows is not None:
-                self.on_rows(rows)
+                self.on_rows(records)
             self.on_row(self.stats)
 
-    def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> dict[str, Any]:
+    def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> OutputRow:
         error = prompt.error if out is None else out.error
-        num_prompt = len(prompt.prompt_ids or [])
         generated = [] if out is None or error else out.output_token_ids
         text = out.text if out is not None and out.text is not None else self.decode(generated)
-        row: dict[str, Any] = {
-            "index": prompt.index,
-            "id": prompt.id,
-            "sample_index": 0 if out is None else out.sample_index,
-            "text": None if error else text,
-            "finish_reason": "error" if error else out.finish_reason,
-            "num_prompt_tokens": num_prompt,
-            "num_generated_tokens": len(generated),
-            "error": error,
-        }
-        if self.include_token_ids:
-            row["prompt_token_ids"] = list(prompt.prompt_ids or [])
-            row["token_ids"] = list(generated)
+        logprobs = None
         if out is not None and out.logprobs is not None and not error:
-            row["logprobs"] = [self._logprob_entry(lp) for lp in out.logprobs]
-        row.update(prompt.passthrough)
-        if prompt.input_hash is not None:
-            row[INPUT_HASH] = prompt.input_hash
-        return row
+            logprobs = [self._logprob_entry(lp) for lp in out.logprobs]
+        ids = self.include_token_ids
+        return OutputRow(
+            index=prompt.index,
+            id=prompt.id,
+            sample_index=0 if out is None else out.sample_index,
+            text=None if error else text,
+            finish_reason="error" if error else out.finish_reason,
+            num_prompt_tokens=len(prompt.prompt_ids or []),
+            num_generated_tokens=len(generated),
+            error=error,
+            logprobs=logprobs,
+            prompt_token_ids=list(prompt.prompt_ids or []) if ids else None,
+            token_ids=list(generated) if ids else None,
+            passthrough=prompt.passthrough,
+            input_hash=prompt.input_hash,
+        )
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
         top = [
@@ -240,15 +249,15 @@ class Consumer(threading.Thread):
             "top_logprobs": top,
         }
 
-    def _count(self, rows: list[dict[str, Any]]) -> None:
+    def _count(self, rows: list[OutputRow]) -> None:
         s = self.stats
         for row in rows:
-            if row["error"] is None:
+            if row.error is None:
                 s.rows_ok += 1
             else:
                 s.rows_error += 1
-            s.prompt_tokens += row["num_prompt_tokens"]
-            s.generated_tokens += row["num_generated_tokens"]
+            s.prompt_tokens += row.num_prompt_tokens
+            s.generated_tokens += row.num_generated_tokens
 
 
 def wait_for(thread: threading.Thread, poll_s: float = _POLL_S) -> None:

@@ -99,6 +99,18 @@ MAX_NESTING = 32  # levels of lists/objects a pass-through value may have (Parqu
 CHAR_SLACK = 4  # a prompt longer than slack x tokens x longest token (in characters) cannot fit
 
 
+class _Rendered(NamedTuple):
+    """A checked row whose prompt text awaits tokenization."""
+
+    index: int
+    row_id: str
+    text: str
+    special: bool  # the tokenizer adds its special tokens (bos) to this text
+    overrides: dict[str, Any]
+    passthrough: dict[str, Any]
+    max_new_tokens: int
+
+
 class PromptBuilder:
     """Renders and tokenizes rows; thread-safe (used from the tokenizer pool).
 
@@ -123,6 +135,31 @@ class PromptBuilder:
         self.max_prompt_chars = CHAR_SLACK * max_prompt_tokens * max(longest, 1)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
+        return self.build_many([(index, values)])[0]
+
+    def build_many(self, rows: list[tuple[int, dict[str, Any]]]) -> list[RowPrompt]:
+        """build() for many rows, their texts tokenized in one batch call (the tokenizer's
+        Rust side encodes them in parallel, without the GIL)."""
+        out = [self._render(index, values) for index, values in rows]
+        for special in (True, False):
+            todo = [
+                i for i, r in enumerate(out) if isinstance(r, _Rendered) and r.special is special
+            ]
+            for i, ids in zip(
+                todo, self._encode([out[i].text for i in todo], special), strict=True
+            ):
+                r = out[i]
+                ids = self._truncate(list(ids), r.max_new_tokens)
+                out[i] = RowPrompt(r.index, r.row_id, ids, r.overrides, r.passthrough, None)
+        return out
+
+    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=special).input_ids
+
+    def _render(self, index: int, values: dict[str, Any]) -> RowPrompt | _Rendered:
+        """The row checked and its prompt text rendered, or its error row."""
         cfg = self.config
         raw_id = str(index) if cfg.id_column is None else _str_id(values.get(cfg.id_column))
         row_id = writable(raw_id)
@@ -136,12 +173,15 @@ class PromptBuilder:
                 raise ValueError(bad_column)
             overrides = self._overrides(values)
             params = _params(self.sampling, overrides)
-            ids = self._truncate(self._tokenize(values), params.max_new_tokens)
+            text, special = self._text(values)
         except ValueError as exc:
             return RowPrompt(index, row_id, None, {}, passthrough, writable(str(exc)))
-        return RowPrompt(index, row_id, ids, overrides, passthrough, None)
+        return _Rendered(
+            index, row_id, text, special, overrides, passthrough, params.max_new_tokens
+        )
 
-    def _tokenize(self, values: dict[str, Any]) -> list[int]:
+    def _text(self, values: dict[str, Any]) -> tuple[str, bool]:
+        """-> (the prompt text, whether the tokenizer adds its special tokens)."""
         cfg, tok = self.config, self.tokenizer
         if cfg.messages_column is not None:
             messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
@@ -153,7 +193,7 @@ class PromptBuilder:
                 raise ValueError(
                     f"chat template failed on column {cfg.messages_column!r}: {exc}"
                 ) from exc
-            return list(tok(self._checked(text), add_special_tokens=False).input_ids)
+            return self._checked(text), False
         if cfg.template is not None:
             fields = {name: _value(values, name) for name in template_fields(cfg.template)}
             text = cfg.template.format(**fields)
@@ -165,7 +205,7 @@ class PromptBuilder:
                 )
         if not text:
             raise ValueError("prompt is empty")
-        return list(tok(self._checked(text)).input_ids)
+        return self._checked(text), True
 
     def _checked(self, text: str) -> str:
         """The prompt text, if it can be encoded and could fit; cut (by characters, to a

@@ -162,7 +162,7 @@ def test_a_full_disk_stops_the_job_and_the_rerun_completes(
     assert not summary.exists() or not json.loads(summary.read_text())["complete"]
     monkeypatch.undo()
     result = run_job(spec_for(model, inp, tmp_path / "out", *sets))
-    assert result.complete and result.summary["rows_committed_total"] == 42
+    assert result.complete and result.summary.rows_committed_total == 42
     assert [r["index"] for r in read_rows(tmp_path / "out")] == list(range(42))
 
 
@@ -204,7 +204,7 @@ def test_leftovers_of_a_kill_during_the_final_merge_or_the_first_manifest(
     (out / "results.parquet").rename(out / ".tmp-4242-results.parquet")
     (out / ".tmp-4242-results.parquet").write_bytes(b"PAR1 half")
     again = run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3"))
-    assert again.complete and again.summary["rows_ok"] == 0
+    assert again.complete and again.summary.rows_ok == 0
     assert [r["index"] for r in read_rows(out)] == list(range(6))
     assert not list(out.glob(".tmp-*"))
     fresh = tmp_path / "manifest"

@@ -157,7 +157,7 @@ def test_batchgen_run_job_on_gpu(model_dir, tmp_path: Path) -> None:
         ],
     )
     result = run_job(spec)
-    assert result.complete and result.summary["rows_ok"] == 50
+    assert result.complete and result.summary.rows_ok == 50
 
 
 def test_sampler_is_capturable_in_a_cuda_graph() -> None:

@@ -76,6 +76,10 @@ def test_jsonl_job_matches_the_engine(model_dir, tmp_path: Path) -> None:
         assert r["num_generated_tokens"] == len(e.output_token_ids)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["rows_ok"] == 12 and summary["rows_error"] == 0 and summary["complete"]
+    assert summary == result.summary.to_dict()
+    phases = ["checks", "load", "shape", "kv_cache_and_graphs", "model_check", "first_row"]
+    assert list(result.summary.startup_s) == phases and set(summary["startup_s"]) == set(phases)
+    assert all(v >= 0 for v in summary["startup_s"].values())
     assert len(list((tmp_path / "out" / "shards").glob("part-*"))) >= 3
 
 
@@ -143,7 +147,7 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
     assert "duplicate id 'ok-1'" in messages[7]
     assert "id column 'id' is missing" in messages[8]
     assert all(r["text"] is None for r in errors)
-    assert result.summary["rows_error"] == 9 and result.summary["rows_ok"] == 2
+    assert result.summary.rows_error == 9 and result.summary.rows_ok == 2
 
 
 @pytest.mark.parametrize("mode", ["left", "right"])
@@ -229,7 +233,7 @@ def test_resume_with_a_changed_spec_is_refused(model_dir, tmp_path: Path) -> Non
     again = run_job(
         spec_for(model, inp, out, "sampling.max_new_tokens=3", "runtime.max_num_seqs=4")
     )  # runtime changes are allowed
-    assert again.complete and again.summary["rows_ok"] == 0
+    assert again.complete and again.summary.rows_ok == 0
     forced = run_job(
         spec_for(model, inp, out, "sampling.max_new_tokens=3", "sampling.temperature=0.5"),
         force_resume=True,

@@ -422,3 +422,91 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_gate_up_mlp_matches_the_module(device: str) -> None:
+    """The fused MLP forward: one gate/up GEMM whose rows the Linear modules keep as views."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from batchgen.engine.fusion import Fusion
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=80)
+    mlp = LlamaMLP(config).to(device)
+    x = torch.randn(1, 7, 32, device=device)
+    expected = mlp(x)
+    holder = torch.nn.Sequential(mlp)
+    fusion = Fusion(holder)
+    fusion.on()
+    assert fusion.modules == [mlp]
+    base = mlp.gate_proj.weight.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == base, "up is a view of the merge"
+    assert _rel(mlp(x), expected) <= FP32_TOL
+    fusion.off()
+    assert torch.equal(mlp(x), expected), "the module's own forward, on the same values"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_check_keeps_the_models_own_rotary_where_it_differs(device: str) -> None:
+    """Interleaved rotary (GPT-J style) is not rotate-half: the check must notice."""
+    import types
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from batchgen.engine.fusion import RopeCheck
+
+    def interleaved(q, k, cos, sin):
+        def rot(x):
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+
+        c, s = (
+            cos[:, None, :, ::2].repeat_interleave(2, -1),
+            sin[:, None, :, ::2].repeat_interleave(2, -1),
+        )
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    q = torch.randn(1, 5, 4, 32, device=device).transpose(1, 2)
+    k = torch.randn(1, 5, 2, 32, device=device).transpose(1, 2)
+    angles = torch.randn(1, 5, 16, device=device)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    same = RopeCheck(types.SimpleNamespace(apply_rotary_pos_emb=apply_rotary_pos_emb))
+    assert _rel(same(q, k, cos, sin)[0], apply_rotary_pos_emb(q, k, cos, sin)[0]) <= FP32_TOL
+    assert same.verified is True
+    other = RopeCheck(types.SimpleNamespace(apply_rotary_pos_emb=interleaved))
+    for _ in range(2):
+        got = other(q, k, cos, sin)
+        assert torch.equal(got[0], interleaved(q, k, cos, sin)[0])
+    assert other.verified is False
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET")
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_layers_generate_what_the_model_does(family: str, tmp_path) -> None:
+    """Fused norms, merged q/k/v and gate/up GEMMs and the fused rotary, in Triton's CPU
+    interpreter: the same greedy tokens as the engine on the model's own modules."""
+    from batchgen import Engine, EngineConfig, SamplingParams
+    from batchgen.engine.attention import attention_scope
+    from batchgen.engine.fusion import Fusion
+    from tests.families import build_family_model
+
+    path = build_family_model(family, tmp_path / family)
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 41] * (1 + i) for i in range(3)]  # window 16 reached
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = Engine(path, EngineConfig(device="cpu", dtype="float32"))
+    expected = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
+    fusion = Fusion(engine.model)
+    fusion.on()
+    names = {type(m).__name__ for m in fusion.modules}
+    assert any(n.endswith("Attention") for n in names) and any(n.endswith("MLP") for n in names)
+    got = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
+    assert fusion.rope.verified is True
+    assert got == expected
+    ids = torch.tensor([prompts[2]])
+    with attention_scope(engine.model, "eager"):  # outside a step: the modules' own attention
+        outside = engine.model(input_ids=ids, use_cache=False).logits
+        fusion.off()
+        own = engine.model(input_ids=ids, use_cache=False).logits
+    assert _rel(outside, own) <= FP32_TOL

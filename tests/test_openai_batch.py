@@ -92,7 +92,7 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
     sets = ("sampling.ignore_eos=true", "output.format='jsonl'")
     names = "model.served_model_name=['served', 'm-1']"
     result = run(model, inp, tmp_path / "out", *sets, names)
-    assert result.complete and result.summary["error_file"].endswith("errors.jsonl")
+    assert result.complete and result.summary.error_file.endswith("errors.jsonl")
     lines = read_lines(tmp_path / "out" / "results.jsonl")
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
     assert [x.custom_id for x in lines] == ["c1", "c2", "c3", "t1"]
@@ -190,8 +190,8 @@ def test_interrupted_job_resumes(model: Path, tmp_path: Path) -> None:
     assert first.interrupted and not first.complete
     assert not (tmp_path / "out" / "results.jsonl").exists()
     second = run(model, inp, tmp_path / "out", *sets, engine=engine)
-    assert second.complete and second.summary["resumed"]
-    assert 0 < first.summary["rows_committed_total"] < len(rows)
+    assert second.complete and second.summary.resumed
+    assert 0 < first.summary.rows_committed_total < len(rows)
     ok = read_lines(tmp_path / "out" / "results.jsonl")
     (dup,) = read_lines(tmp_path / "out" / "errors.jsonl")
     assert [x.custom_id for x in ok] == [f"r{i}" for i in range(16)]

@@ -54,7 +54,7 @@ def test_changed_input_content_is_refused(job, tmp_path: Path) -> None:
     with pytest.raises(BatchgenError, match=r"the input changed \('in.jsonl'.*--force-resume"):
         job()
     forced = job(force_resume=True)  # on purpose: keeps the old rows, as --force-resume says
-    assert forced.complete and forced.summary["rows_ok"] == 0
+    assert forced.complete and forced.summary.rows_ok == 0
 
 
 def test_a_row_inserted_at_the_top_is_refused(job, tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_the_same_input_under_another_spelling_or_copy_resumes(
     assert job(inp=Path("./in.jsonl")).complete
     shutil.copy(tmp_path / "in.jsonl", tmp_path / "copy.jsonl")  # new mtime, same content
     again = job(inp=tmp_path / "copy.jsonl")
-    assert again.complete and again.summary["resumed"] and again.summary["rows_ok"] == 0
+    assert again.complete and again.summary.resumed and again.summary.rows_ok == 0
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_settings_that_cannot_change_a_row_may_change(job, tmp_path: Path) -> No
     ).complete
     sets = ("runtime.max_num_seqs=5", "runtime.max_num_batched_tokens=300", "runtime.block_size=8")
     result = job(*sets, "runtime.tokenizer_threads=1", "output.shard_rows=3")
-    assert result.complete and result.summary["resumed"]
+    assert result.complete and result.summary.resumed
 
 
 def test_a_rebuilt_model_at_the_same_path_is_refused(job, tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def test_a_damaged_shard_is_regenerated_exactly(job, tmp_path: Path, fmt: str) -
     shards[2].unlink()  # deleted
     (out / f"results.{fmt}").unlink()
     result = job(*sets, "output.shard_rows=3")
-    assert result.complete and result.summary["rows_ok"] == 6
+    assert result.complete and result.summary.rows_ok == 6
     rows = read_rows(out)
     assert [r["id"] for r in rows] == [f"u{i}" for i in range(12)]
     assert {r["id"]: r["text"] for r in rows} == expected

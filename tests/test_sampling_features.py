@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from batchgen.engine.stop_strings import match_stop_strings
 from batchgen.job import run_job
 from tests.helpers import hf_greedy, hf_model, random_prompts
 from tests.test_job import read_rows, spec_for, write_jsonl
@@ -88,6 +89,57 @@ def test_stop_strings_span_tokens_and_cut_the_text(path: Path, keep: bool) -> No
     assert len(out.output_token_ids) <= k + 2, "tokens past the stop string are not counted"
 
 
+class _ThreadRecordingTokenizer:
+    """The engine's tokenizer, noting which threads decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.threads = tokenizer, set()
+
+    def decode(self, *args, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_stop_strings_are_matched_off_the_engine_thread_as_if_after_every_token(
+    path: Path,
+) -> None:
+    """Many samples (n > 1, preempted under a small cache, logprobs on) each stopped where a
+    check after every token stops it, whenever the watcher's answer reaches the engine."""
+    eng = engine(path, num_kv_blocks=12, block_size=8, max_num_seqs=6)
+    prompts = [Prompt(p, str(i)) for i, p in enumerate(random_prompts(8, 3, 9, 1000, seed=5))]
+    base = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=9, n=2)
+    free = {(o.request_id, o.sample_index): o for o in eng.generate(prompts, base)}
+    # each prompt's stop string: two characters from the middle of its first sample's text
+    stops = {i: free[(str(i), 0)].text[10:12] for i in range(8)}
+    tok = eng.tokenizer
+    eng.tokenizer = eng.stops.tokenizer = _ThreadRecordingTokenizer(tok)
+    asked = [
+        p._replace(sampling={"stop": (stops[i],), "logprobs": 1, "min_new_tokens": 2 * (i % 3)})
+        for i, p in enumerate(prompts)
+    ]
+    outs = list(eng.generate(asked, base, decode=False))
+    assert len(outs) == 16 and eng.scheduler.num_preemptions > 0
+    assert threading.current_thread().name not in eng.tokenizer.threads
+    for out in outs:
+        i = int(out.request_id)
+        ids = free[(out.request_id, out.sample_index)].output_token_ids
+        expected_text, n = None, len(ids)
+        for j in range(1, len(ids) + 1):  # the check after every token
+            expected_text = match_stop_strings(ids[:j], (stops[i],), False, 2 * (i % 3), tok)
+            if expected_text is not None:
+                n = j
+                break
+        assert out.output_token_ids == ids[:n]
+        assert len(out.logprobs) == n
+        assert out.text == expected_text
+        assert out.finish_reason == ("length" if expected_text is None else "stop")
+    assert any(o.finish_reason == "stop" for o in outs)
+    eng.blocks.check_invariants()
+
+
 def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:
     items = [
         Prompt("hi", request_id="a", sampling={"top_p": 0.0}),
@@ -125,7 +177,7 @@ def test_job_rows_for_samples_logprobs_and_bad_values(path: Path, tmp_path: Path
     assert all(len(r["logprobs"]) == r["num_generated_tokens"] for r in rows[:2])
     assert rows[0]["logprobs"][0]["top_logprobs"][0]["token_id"] >= 0
     assert "top_p=2.0" in rows[2]["error"]
-    assert result.summary["rows_error"] == 1
+    assert result.summary.rows_error == 1
 
 
 def test_sampled_job_is_identical_after_an_interruption(path: Path, tmp_path: Path) -> None:

@@ -115,11 +115,32 @@ def _agreement(results: list[RunResult]) -> list[str]:
     return out
 
 
-def record(report: dict, text: str, path: Path, command: str) -> None:
+def run_job_bench(
+    shape_name: str,
+    workload_name: str,
+    rows: int,
+    new_tokens: int | None,
+    config: EngineConfig,
+) -> str:
+    """The job path against the engine alone (see bench/job_path.py) -> the table."""
+    from batchgen.bench import job_path
+
+    if not torch.cuda.is_available():
+        raise BatchgenError("batchgen bench needs a CUDA GPU (it times real model shapes)")
+    if rows < 1 or (new_tokens is not None and new_tokens < 1):
+        raise BatchgenError("--job ROWS and --new-tokens must be >= 1")
+    workload = WORKLOADS[workload_name]
+    tokens = new_tokens or workload.output_tokens
+    shape = SHAPES[shape_name]
+    results, vocab = job_path.run_paths(shape, rows, tokens, workload.prompt_range, config)
+    return job_path.table(shape_name, rows, tokens, results, vocab)
+
+
+def record(title: str, text: str, path: Path, command: str) -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (
-        f"\n## {stamp} — {report['shape']} {report['workload']} on {gpu}\n\n"
+        f"\n## {stamp} — {title} on {gpu}\n\n"
         f"`{command}` (torch {torch.__version__}, python {platform.python_version()})\n\n"
     )
     with open(path, "a") as f:

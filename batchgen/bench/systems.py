@@ -85,8 +85,13 @@ class CudaTimeline:
 
     def __init__(self) -> None:
         self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self.first_launch: float | None = None  # perf_counter of the first step's launch
+        self.last_launch: float | None = None  # ... and of the last step's
 
     def begin(self) -> torch.cuda.Event:
+        now = time.perf_counter()
+        self.first_launch = self.first_launch or now
+        self.last_launch = now
         return _event()
 
     def end(self, mark: torch.cuda.Event, graphed: bool) -> None:

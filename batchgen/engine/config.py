@@ -33,6 +33,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
+    # torch's intra-op threads on the CPU device; None = the cores this process may use less
+    # one (left to the job's tokenizer and writer threads), at least 1, unless OMP_NUM_THREADS
+    # is set (then torch's own choice stands)
+    cpu_threads: int | None = None
     # compare the engine with the model's own forward pass on a probe input at start-up, and
     # refuse a model it would run wrongly (off only for the engine's own tests)
     check_model: bool = True
@@ -69,6 +73,8 @@ class EngineConfig:
             self.max_num_batched_tokens,
             f">= max_num_seqs ({self.max_num_seqs})",
         )
+        if self.cpu_threads is not None:
+            check_field(self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "an integer >= 1")
         if self.max_model_len is not None:
             check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
         check_field(

@@ -23,13 +23,14 @@ from batchgen.engine.model_loader import (
     model_shape,
     resolve_device,
     resolve_dtype,
+    set_cpu_threads,
 )
 from batchgen.engine.probe import check_model
 from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
-from batchgen.engine.stop_strings import check_stop_strings
+from batchgen.engine.stop_strings import StopWatcher
 from batchgen.engine.transfer import StepOutput, wait_tokens
 
 PromptLike = str | list[int] | Prompt
@@ -42,6 +43,7 @@ class _NotReady:
 
 NOT_READY = _NotReady()  # a prompt source's "nothing yet, but not exhausted"
 _END = object()
+VERDICT_WAIT_S = 0.05  # how long an idle engine waits for the stop watcher's next answer
 
 
 class Engine:
@@ -58,6 +60,7 @@ class Engine:
         tokenizer: Any = None,
     ) -> None:
         self.config = config or EngineConfig()
+        clock = _PhaseClock()
         adopted = isinstance(model, PreTrainedModel)
         if adopted:  # the caller's model: used as it is, given back unchanged by close()
             self.device, self.dtype = adopt_model(model, self.config)
@@ -65,14 +68,18 @@ class Engine:
         else:
             self.device = resolve_device(self.config)
             self.dtype = resolve_dtype(self.config, self.device)
+            if self.device.type == "cpu":
+                set_cpu_threads(self.config)
             self.model = load_model(model, self.device, self.dtype)
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
+        clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         # what decides outputs besides the settings (checked when a job resumes)
         self.fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids)
         self.shape = model_shape(self.model)
+        clock.mark("shape")
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.num_blocks = plan_num_blocks(
@@ -88,6 +95,7 @@ class Engine:
             self.max_model_len,
             adopted=adopted,
         )
+        clock.mark("kv_cache_and_graphs")
         self.blocks = BlockManager(self.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(
             self.blocks,
@@ -98,8 +106,12 @@ class Engine:
         self._owns_model = not adopted
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
+        self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
+        self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         if self.config.check_model:
             check_model(self)  # a model batchgen would run wrongly is refused here
+            clock.mark("model_check")
+        self.startup_s = clock.phases  # phase -> seconds, in order (summary.json shows them)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -176,7 +188,7 @@ class Engine:
             raise RuntimeError("this engine is closed: create a new one")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._held)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> launch -> post-process (step N-1's when overlapped)."""
@@ -186,9 +198,11 @@ class Engine:
             previous = launched
         else:
             previous, self._in_flight = self._in_flight, launched
-        if previous is None and launched is None and self.scheduler.has_work():
+        idle = previous is None and launched is None
+        if idle and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress with nothing in flight")
-        return self._postprocess(*previous) if previous is not None else []
+        finished = self._postprocess(*previous) if previous is not None else []
+        return finished + self._apply_verdicts(VERDICT_WAIT_S if idle else 0.0)
 
     def close(self) -> None:
         """Drop queued work, give a caller's model back unchanged, and release the device
@@ -196,6 +210,7 @@ class Engine:
         if self.runner is None:
             return
         self.abort_all()
+        self.stops.close()
         self.runner.close()
         self.runner = None
         if self._owns_model:
@@ -216,7 +231,11 @@ class Engine:
     def drain(self) -> list[RequestOutput]:
         """Post-process the step in flight, launching nothing new."""
         previous, self._in_flight = self._in_flight, None
-        return self._postprocess(*previous) if previous is not None else []
+        finished = self._postprocess(*previous) if previous is not None else []
+        finished += self._apply_verdicts(0.0)
+        while self._held:  # ended samples: only the watcher's verdict is missing
+            finished += self._apply_verdicts(VERDICT_WAIT_S)
+        return finished
 
     def abort_all(self) -> None:
         """Drop every queued and running request (a caller stopped consuming results)."""
@@ -227,7 +246,10 @@ class Engine:
             self._in_flight = None
         while self.scheduler.has_work():  # finishing a request may release its other samples
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                if request.params.stop:
+                    self.stops.feed(request, (), final=True)  # the watcher forgets it
                 self.scheduler.finish(request, "error")
+        self._held.clear()
         self._live.clear()
         self.blocks.check_invariants()
 
@@ -250,15 +272,44 @@ class Engine:
                 )
             if len(request.output_token_ids) == 1:
                 request.first_token_time = now
-            if request.params.stop:
-                request.text = check_stop_strings(request, self.tokenizer)
-            reason = "stop" if request.text is not None else request.stop_reason(token)
-            if reason is not None:
+            reason = request.stop_reason(token)
+            if request.params.stop:  # the watcher has the last word on how it ends
+                self.stops.feed(request, (token,), final=reason is not None)
+                if reason is not None:
+                    self.scheduler.finish(request, reason)
+                    self._held.add(request)
+            elif reason is not None:
                 finished.append(self._finish(request, reason))
+        return finished
+
+    def _apply_verdicts(self, wait: float) -> list[RequestOutput]:
+        """Finish the samples the stop watcher matched; release the held ones it cleared."""
+        if not self._held and wait > 0:
+            wait = 0.0  # nothing ended waits for an answer
+        finished = []
+        for verdict in self.stops.verdicts(wait):
+            request = verdict.request
+            held = request in self._held
+            if not held and request.status is Status.FINISHED:
+                continue  # aborted meanwhile
+            if verdict.text is not None:  # matched: what followed the match is dropped
+                del request.output_token_ids[verdict.num_tokens :]
+                del request.logprobs[verdict.num_tokens :]
+                request.text = verdict.text
+                if not held:
+                    self.stops.feed(request, (), final=True)  # the watcher forgets it
+                    self.scheduler.finish(request, "stop")
+                request.finish_reason = "stop"
+            self._held.discard(request)
+            finished.append(self._output(request))
         return finished
 
     def _finish(self, request: Request, reason: str) -> RequestOutput:
         self.scheduler.finish(request, reason)
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The result of a sample that ended (the scheduler finished it)."""
         self._live[request.request_id] -= 1
         last = not self._live[request.request_id]
         if last:
@@ -267,7 +318,7 @@ class Engine:
             request.request_id,
             request.prompt_token_ids,
             request.output_token_ids,
-            reason,
+            request.finish_reason,
             text=request.text,
             first_token_time=request.first_token_time,
             sample_index=request.sample_index,
@@ -336,6 +387,17 @@ class Engine:
             return out
         text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         return out._replace(text=text)
+
+
+class _PhaseClock:
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 3)
+        self._last = now
 
 
 def _mix(seed: int, sample_index: int) -> int:

@@ -1,96 +1,192 @@
-"""Swap chains of small ops in known Hugging Face decoder layers for fused Triton kernels.
+"""Faster forwards for the modules of known Hugging Face decoder layers, set per module
+instance (the model object only; nothing inside transformers is replaced).
 
-RMSNorm and SiLU-and-mul are replaced per module instance (the model object only); the rotary
-embedding, a module-level function in the modeling file, is swapped only while batchgen runs a
-forward pass (`rope_swapped`). Models of other families run unchanged.
+- RMSNorm: one fused kernel.
+- Gated-SiLU MLP: gate and up projections as one GEMM, SiLU-and-mul fused.
+- Attention (Llama, Mistral, Qwen2, Qwen3): q, k and v projections as one GEMM, rotary
+  embedding fused, then batchgen's attention. Whether the fused rotary computes what the
+  modeling file's own `apply_rotary_pos_emb` does is not assumed: the first call computes both
+  and compares them (interleaved or partial rotary differ), and where they differ the model's
+  own function is used for good.
+
+Merged projections are one weight tensor whose rows the original Linear modules keep as views
+(no extra memory; the values do not change). Outside a batchgen step (a caller running its own
+model meanwhile) the attention runs the module's own forward. Models of other families run
+unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from batchgen.engine.attention.hf_adapter import batchgen_attention, in_step
 
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (5.2x) SiLU modules
+# attention class -> the sliding window its forward passes to the attention function
+FUSED_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
+    "LlamaAttention": lambda m: None,
+    "MistralAttention": lambda m: getattr(m.config, "sliding_window", None),
+    "Qwen2Attention": lambda m: getattr(m, "sliding_window", None),
+    "Qwen3Attention": lambda m: getattr(m, "sliding_window", None),
+}
+# merged projection weights and biases, by the module that uses them
+_MERGED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def fuse_modules(model: nn.Module) -> list[nn.Module]:
-    """Point known RMSNorm and gated-SiLU MLP modules at fused kernels; -> the modules changed."""
-    from batchgen.engine.kernels import fused_ops
+class Fusion:
+    """The fused forwards of one model: on() sets them, off() gives the modules back theirs."""
 
-    changed = []
-    for module in model.modules():
-        name = type(module).__name__
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.rope = RopeCheck(sys.modules.get(type(model).__module__))
+        self.modules: list[nn.Module] = []
+
+    def on(self) -> None:
+        from batchgen.engine.kernels import fused_ops
+
+        for module in self.model.modules():
+            forward = self._forward(module, type(module).__name__, fused_ops)
+            if forward is not None:
+                module.forward = forward
+                self.modules.append(module)
+
+    def off(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        self.modules = []
+
+    def _forward(self, module: nn.Module, name: str, ops: Any) -> Callable[..., Any] | None:
         if name in FUSED_NORMS and hasattr(module, "variance_epsilon"):
-            module.forward = _norm_forward(module, fused_ops.rms_norm)
-            changed.append(module)
-        elif name in FUSED_MLPS and isinstance(getattr(module, "act_fn", None), nn.SiLU):
-            module.forward = _mlp_forward(module, fused_ops.silu_mul)
-            changed.append(module)
-    return changed
+            return _norm_forward(module, ops.rms_norm)
+        if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU:
+            merged = _merged(module, ("gate_proj", "up_proj"))
+            return _mlp_forward(module, ops, merged)
+        if (
+            name in FUSED_ATTENTION
+            and self.rope.original is not None
+            and all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and isinstance(getattr(module, "head_dim", None), int)
+        ):
+            merged = _merged(module, ("q_proj", "k_proj", "v_proj"))
+            return _attention_forward(module, self.rope, merged, FUSED_ATTENTION[name](module))
+        return None
 
 
-def unfuse_modules(modules: list[nn.Module]) -> None:
-    """Give the modules their class's forward back."""
-    for module in modules:
-        module.__dict__.pop("forward", None)
+def _merged(
+    module: nn.Module, names: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One [sum(out), in] weight (and bias) for the Linear children `names`; each child's
+    parameters become views of it. None where they cannot be merged."""
+    if module in _MERGED:
+        return _MERGED[module]
+    linears = [getattr(module, n) for n in names]
+    if not all(type(x) is nn.Linear for x in linears):
+        return None
+    weights = [x.weight for x in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    has_bias = [x.bias is not None for x in linears]
+    if any(has_bias) and not all(has_bias):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in weights])
+        bias = torch.cat([x.bias.detach() for x in linears]) if all(has_bias) else None
+        start = 0
+        for x in linears:
+            rows = x.weight.shape[0]
+            x.weight.data = weight[start : start + rows]
+            if bias is not None:
+                x.bias.data = bias[start : start + rows]
+            start += rows
+    _MERGED[module] = (weight, bias)
+    return weight, bias
 
 
-def _norm_forward(module: nn.Module, kernel: Any) -> Any:
+def _norm_forward(module: nn.Module, kernel: Any) -> Callable[..., torch.Tensor]:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         return kernel(hidden_states, module.weight, module.variance_epsilon)
 
     return forward
 
 
-def _mlp_forward(module: nn.Module, kernel: Any) -> Any:
+def _mlp_forward(
+    module: nn.Module, ops: Any, merged: tuple[torch.Tensor, torch.Tensor | None] | None
+) -> Callable[..., torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(kernel(module.gate_proj(x), module.up_proj(x)))
+        if merged is None:
+            return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
+        return module.down_proj(ops.silu_mul_merged(F.linear(x, *merged)))
 
     return forward
 
 
-class RopeSwap:
-    """Replaces the modeling file's apply_rotary_pos_emb with the fused kernel while active.
+def _attention_forward(
+    module: nn.Module,
+    rope: RopeCheck,
+    merged: tuple[torch.Tensor, torch.Tensor | None] | None,
+    window: int | None,
+) -> Callable[..., tuple[torch.Tensor, Any]]:
+    head_dim = module.head_dim
+    sizes = [getattr(module, n).out_features for n in ("q_proj", "k_proj", "v_proj")]
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    extra = {} if window is None else {"sliding_window": window}
 
-    The kernel computes rotate-half rotary embeddings. Whether the model's own function does
-    the same is not assumed: the first call computes both and compares them (interleaved
-    rotary, partial rotary or another signature differ), and the swap stays off for good
-    where they differ.
-    """
+    def forward(
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        if kwargs.get("batchgen_meta") is None and not in_step():  # the caller's own forward
+            own = type(module).forward
+            return own(module, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        tokens = hidden_states.shape[:-1]  # [1, T]
+        if merged is not None:
+            q, k, v = F.linear(hidden_states, *merged).split(sizes, dim=-1)
+        else:
+            q, k, v = (getattr(module, n)(hidden_states) for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (t.view(*tokens, -1, head_dim) for t in (q, k, v))  # [1, T, heads, D]
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        out, _ = batchgen_attention(
+            module, q, k, v.transpose(1, 2), None, scaling=module.scaling, **extra, **kwargs
+        )
+        return module.o_proj(out.reshape(*tokens, -1)), None
 
-    def __init__(self, model: nn.Module) -> None:
-        self.module = sys.modules.get(type(model).__module__)
-        self.original = getattr(self.module, "apply_rotary_pos_emb", None)
+    return forward
+
+
+class RopeCheck:
+    """The fused rotary kernel where it equals the modeling file's apply_rotary_pos_emb
+    (compared on the first call), else that function itself."""
+
+    def __init__(self, modeling: Any) -> None:
+        self.original = getattr(modeling, "apply_rotary_pos_emb", None)
         self.verified: bool | None = None  # None: not compared yet
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if self.original is None or self.verified is False:
-            yield
-            return
-        self.module.apply_rotary_pos_emb = self._fused
-        try:
-            yield
-        finally:
-            self.module.apply_rotary_pos_emb = self.original
-
-    def _fused(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from batchgen.engine.kernels.fused_ops import rope
 
-        if self.verified is False or kwargs or len(args) != 4:
-            return self.original(*args, **kwargs)
-        q, k, cos, sin = args
-        if cos.shape[-1] != q.shape[-1] or q.shape[0] != 1:
-            return self.original(*args, **kwargs)
+        if self.verified is False or cos.shape[-1] != q.shape[-1] or q.shape[0] != 1:
+            return self.original(q, k, cos, sin)
         fused = rope(q, cos, sin), rope(k, cos, sin)
         if self.verified is None:
-            expected = self.original(*args)
+            expected = self.original(q, k, cos, sin)
             self.verified = _close(fused, expected)
             if not self.verified:
                 return expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +37,17 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BatchgenError(f"device={config.device!r} but CUDA is not available: use device='cpu'")
     return device
+
+
+def set_cpu_threads(config: EngineConfig) -> None:
+    """torch's intra-op threads for a CPU engine (see EngineConfig.cpu_threads)."""
+    threads = config.cpu_threads
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen.engine.attention import attention_audit, attention_scope
-from batchgen.engine.fusion import fuse_modules, unfuse_modules
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
@@ -112,15 +111,16 @@ def _reference_logprobs(engine: Engine, sequence: list[int]) -> torch.Tensor:
     """[len(sequence), vocab] float32 log-softmax of the model's own forward pass: its eager
     attention and its own (unfused) modules."""
     model = engine.model
-    fused = engine.runner.fused
-    unfuse_modules(fused)
+    fusion = engine.runner.fusion
+    if fusion is not None:
+        fusion.off()
     try:
         with attention_scope(model, "eager"):
             ids = torch.tensor([sequence], device=engine.device)
             logits = model(input_ids=ids, use_cache=False).logits[0]
     finally:
-        if fused:
-            engine.runner.fused = fuse_modules(model)
+        if fusion is not None:
+            fusion.on()
     return logits.float().log_softmax(dim=-1).cpu()
 
 

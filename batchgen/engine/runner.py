@@ -20,7 +20,7 @@ from batchgen.engine.attention import (
 from batchgen.engine.attention.select import make_backend, uses_triton
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.fusion import RopeSwap, fuse_modules, unfuse_modules
+from batchgen.engine.fusion import Fusion
 from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
@@ -145,13 +145,12 @@ class ModelRunner:
         self.transfer = Transfer(size, seqs, device)
         # called around each launched step (a benchmark's timeline); None = nothing
         self.step_hook: StepHook | None = None
-        self.fused: list[torch.nn.Module] = []
-        self.rope = contextlib.nullcontext
+        self.fusion: Fusion | None = None
         # a caller's model keeps its own attention outside batchgen's forward passes
         self.scope = partial(attention_scope, model) if adopted else contextlib.nullcontext
         if config.fused_ops and device.type == "cuda" and uses_triton(self.backend):
-            self.fused = fuse_modules(model)
-            self.rope = RopeSwap(model).active
+            self.fusion = Fusion(model)
+            self.fusion.on()
         self.graphs: DecodeGraphs | None = None
         if (
             device.type == "cuda"
@@ -196,7 +195,7 @@ class ModelRunner:
         step = unpack_step(flat, host.layout)
         ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
         meta = self._metadata(host, step)
-        with self.rope(), self.scope(), step_context(meta):
+        with self.scope(), step_context(meta):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=step.positions[None],
@@ -209,8 +208,9 @@ class ModelRunner:
     def close(self) -> None:
         """Give the model its own modules back and release every device buffer now: the KV
         cache, graphs and their pool, block tables, relay, transfer buffers."""
-        unfuse_modules(self.fused)
-        self.fused = []
+        if self.fusion is not None:
+            self.fusion.off()
+        self.fusion = None
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = None

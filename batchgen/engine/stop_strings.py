@@ -1,29 +1,120 @@
-"""Stop strings: matched on the detokenized text, also when they span tokens."""
+"""Stop strings, matched on the detokenized text (also when they span tokens) by a thread of
+their own, so that the engine thread never decodes text.
+
+The engine feeds each stop-string request's new tokens after every step and carries on; the
+watcher reports the first match as (sample, tokens up to the one that completed it, the text
+cut there). The engine finishes a matched request at its next step, and holds back one that
+ended otherwise (eos, length) until the watcher has checked every token of it. The result is
+the one a check after every token would give: only when the engine learns of it is late.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import queue
+import threading
+from typing import Any, NamedTuple
 
 from batchgen.engine.request import Request
 
 BYTES_PER_CHAR = 4  # a byte-level token may hold a single byte of a UTF-8 character
 
 
-def check_stop_strings(request: Request, tokenizer: Any) -> str | None:
-    """After a token was appended: the output text cut at the first stop string, or None.
+class Verdict(NamedTuple):
+    """The watcher's answer for one sample: matched at `num_tokens` tokens (text cut there),
+    or (final only) no match in all `num_tokens` tokens (text None)."""
 
-    Only the tail that the newest token can have completed a match in is decoded each step;
+    request: Request
+    num_tokens: int
+    text: str | None
+
+
+def match_stop_strings(
+    tokens: list[int], stop: tuple[str, ...], include: bool, min_tokens: int, tokenizer: Any
+) -> str | None:
+    """After tokens[-1] was appended: the output text cut at the first stop string, or None.
+
+    Only the tail that the newest token can have completed a match in is decoded each time;
     the full text is decoded once, when a match is found.
     """
-    params = request.params
-    if not params.stop or len(request.output_token_ids) < params.min_new_tokens:
+    if not stop or len(tokens) < min_tokens:
         return None
-    longest = max(len(s) for s in params.stop)
-    tail_ids = request.output_token_ids[-(BYTES_PER_CHAR * longest + 2) :]
-    tail = tokenizer.decode(tail_ids, skip_special_tokens=True)
-    if not any(s in tail for s in params.stop):
+    longest = max(len(s) for s in stop)
+    tail = tokenizer.decode(tokens[-(BYTES_PER_CHAR * longest + 2) :], skip_special_tokens=True)
+    if not any(s in tail for s in stop):
         return None
-    text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-    position, stop = min((text.find(s), s) for s in params.stop if s in text)
-    end = position + len(stop) if params.include_stop_str_in_output else position
-    return text[:end]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    position, first = min((text.find(s), s) for s in stop if s in text)
+    return text[: position + len(first) if include else position]
+
+
+class StopWatcher:
+    """One thread matching stop strings for the engine. Only the engine thread calls feed,
+    verdicts and forget; the thread owns the token copies it checks."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._inbox: queue.SimpleQueue[tuple[Request, tuple[int, ...], bool] | None]
+        self._inbox = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy (datasets hashes callers) starts idle
+        return {"tokenizer": self.tokenizer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["tokenizer"])
+
+    def feed(self, request: Request, tokens: tuple[int, ...], final: bool) -> None:
+        """Check `tokens`, the sample's newest ones; final: no more will follow (it ended),
+        so answer with a verdict even when nothing matches."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="batchgen-stop", daemon=True)
+            self._thread.start()
+        self._inbox.put((request, tokens, final))
+
+    def verdicts(self, wait: float = 0.0) -> list[Verdict]:
+        """The answers so far (waiting up to `wait` seconds for the first one)."""
+        out = []
+        try:
+            out.append(self._outbox.get(timeout=wait) if wait > 0 else self._outbox.get_nowait())
+            while True:
+                out.append(self._outbox.get_nowait())
+        except queue.Empty:
+            return out
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        seen: dict[Request, list[int]] = {}  # a sample being checked -> its tokens so far
+        done: set[Request] = set()  # matched, not final yet: later tokens are ignored
+        while (item := self._inbox.get()) is not None:
+            request, tokens, final = item
+            key = request  # compared by identity (Request has eq=False)
+            if key in done:
+                if final:
+                    done.discard(key)
+                continue
+            ids = seen.setdefault(key, [])
+            params = request.params
+            for token in tokens:
+                ids.append(token)
+                text = match_stop_strings(
+                    ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.min_new_tokens,
+                    self.tokenizer,
+                )
+                if text is not None:
+                    self._outbox.put(Verdict(request, len(ids), text))
+                    del seen[key]
+                    if not final:
+                        done.add(key)
+                    break
+            else:
+                if final:
+                    self._outbox.put(Verdict(request, len(seen.pop(key)), None))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import pyarrow as pa
 
@@ -13,10 +13,20 @@ if TYPE_CHECKING:
     from batchgen.spec import JobSpec
 
 
+class FinalFiles(NamedTuple):
+    """The files a completed job's results are in."""
+
+    result_file: str
+    error_file: str | None = None  # where the format writes error lines apart
+
+
 class RowBuilder(Protocol):
     """Turns one input row's values into a prompt for the engine (or an error row)."""
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt: ...
+
+    def build_many(self, rows: list[tuple[int, dict[str, Any]]]) -> list[RowPrompt]:
+        """build() for many rows at once (their texts tokenized in one batch call)."""
 
 
 class InputFormat(Protocol):
@@ -43,8 +53,8 @@ class InputFormat(Protocol):
 
     def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> RowBuilder: ...
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
-        """Write the final file(s) from the committed shards -> {"result_file": ..., ...}."""
+    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
+        """Write the final file(s) from the committed shards."""
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         """A line for `batchgen validate` about the rows (e.g. how many cannot run and why)."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError
+from batchgen.formats.base import FinalFiles
 from batchgen.io import InputSource, OutputLayout, open_input
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import RESERVED
@@ -55,10 +56,10 @@ class RowsFormat:
     def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> PromptBuilder:
         return PromptBuilder(spec.prompt, tokenizer, max_prompt_tokens, spec.sampling)
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
+    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
         result = layout.results(spec.output.format)
         write_final(layout, spec.output.format, result)
-        return {"result_file": str(result)}
+        return FinalFiles(str(result))
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"

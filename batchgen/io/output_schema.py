@@ -8,7 +8,9 @@ declares one (Parquet, datasets); otherwise their type is inferred from the valu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import pyarrow as pa
 
@@ -19,21 +21,55 @@ _TOP = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", 
 LOGPROBS_TYPE = pa.list_(
     pa.struct([*(_TOP[i] for i in range(_TOP.num_fields)), ("top_logprobs", pa.list_(_TOP))])
 )
-BASE: dict[str, pa.DataType] = {
-    "index": pa.int64(),
-    "id": pa.string(),
-    "sample_index": pa.int64(),
-    "text": pa.string(),
-    "finish_reason": pa.string(),
-    "num_prompt_tokens": pa.int64(),
-    "num_generated_tokens": pa.int64(),
-    "error": pa.string(),
-}
-LOGPROBS: dict[str, pa.DataType] = {"logprobs": LOGPROBS_TYPE}
-TOKEN_IDS: dict[str, pa.DataType] = {
-    "prompt_token_ids": pa.list_(pa.int64()),
-    "token_ids": pa.list_(pa.int64()),
-}
+
+
+def _column(arrow: pa.DataType, group: str) -> dict[str, Any]:
+    """A field's metadata: one of the job's own columns (group: base, logprobs or token_ids)."""
+    return {"arrow": arrow, "group": group}
+
+
+_INT, _STR = pa.int64(), pa.string()
+_IDS = pa.list_(pa.int64())
+
+
+@dataclass(frozen=True)
+class OutputRow:
+    """One output row: a sample of an input row. Its own fields are the job's own columns
+    (their Arrow types and groups declared here, once); then the pass-through columns."""
+
+    index: int = field(default=None, metadata=_column(_INT, "base"))
+    id: str = field(default=None, metadata=_column(_STR, "base"))
+    sample_index: int = field(default=None, metadata=_column(_INT, "base"))
+    text: str | None = field(default=None, metadata=_column(_STR, "base"))
+    finish_reason: str = field(default=None, metadata=_column(_STR, "base"))
+    num_prompt_tokens: int = field(default=None, metadata=_column(_INT, "base"))
+    num_generated_tokens: int = field(default=None, metadata=_column(_INT, "base"))
+    error: str | None = field(default=None, metadata=_column(_STR, "base"))
+    logprobs: list[dict[str, Any]] | None = field(
+        default=None, metadata=_column(LOGPROBS_TYPE, "logprobs")
+    )
+    prompt_token_ids: list[int] | None = field(default=None, metadata=_column(_IDS, "token_ids"))
+    token_ids: list[int] | None = field(default=None, metadata=_column(_IDS, "token_ids"))
+    passthrough: Mapping[str, Any] = field(default_factory=dict)
+    input_hash: str | None = None  # shards only (INPUT_HASH)
+
+    def record(self, columns: Iterable[str]) -> dict[str, Any]:
+        """The row as the writer's column -> value mapping, for the job's columns."""
+        own = {name: getattr(self, name) for name in _OWN}
+        own[INPUT_HASH] = self.input_hash
+        return {c: own[c] if c in own else self.passthrough.get(c) for c in columns}
+
+
+def _group(name: str) -> dict[str, pa.DataType]:
+    return {
+        f.name: f.metadata["arrow"] for f in fields(OutputRow) if f.metadata.get("group") == name
+    }
+
+
+BASE = _group("base")
+LOGPROBS = _group("logprobs")
+TOKEN_IDS = _group("token_ids")
+_OWN = (*BASE, *LOGPROBS, *TOKEN_IDS)
 RESERVED = (*BASE, *LOGPROBS, *TOKEN_IDS, INPUT_HASH)  # names a pass-through column cannot take
 
 

@@ -131,6 +131,11 @@ MODEL_FILES = (
 
 
 def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    return train_tokenizer(vocab_size, [CORPUS_PATH.read_text(encoding="utf-8")])
+
+
+def train_tokenizer(vocab_size: int, texts: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on texts, with batchgen's special tokens and chat template."""
     # Byte-level: the 256-byte alphabet is always in the vocab, so any UTF-8 text round-trips.
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -141,7 +146,7 @@ def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     bos = SPECIAL_TOKENS.bos
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A",

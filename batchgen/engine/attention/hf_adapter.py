@@ -51,6 +51,11 @@ def step_context(meta: AttentionMetadata) -> Iterator[None]:
         _STEP.reset(token)
 
 
+def in_step() -> bool:
+    """True inside a batchgen step's forward pass."""
+    return _STEP.get() is not None
+
+
 @dataclass
 class Audit:
     """What the layers asked of batchgen's attention while an audit was open."""

@@ -62,6 +62,35 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_mul_merged_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # HF rounds silu's result
+    out = (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def silu_mul_merged(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up where gate_up: [..., 2I] holds gate then up (one merged GEMM's output)
+    -> [..., I]."""
+    shape = gate_up.shape
+    rows = gate_up.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    half = shape[-1] // 2
+    out = torch.empty((rows.shape[0], half), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if rows.shape[0]:
+        _silu_mul_merged_kernel[(rows.shape[0], triton.cdiv(half, block))](
+            rows, out, rows.stride(0), out.stride(0), half, BLOCK=block
+        )
+    return out.view(*shape[:-1], half)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     cos_ptr,

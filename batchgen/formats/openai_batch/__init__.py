@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError
+from batchgen.formats.base import FinalFiles
 from batchgen.formats.openai_batch.builder import PROMPT_KEYS, RequestBuilder
 from batchgen.formats.openai_batch.reader import open_batch_file
 from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH_TYPES
@@ -58,10 +59,10 @@ class OpenAIBatchFormat:
             spec.prompt, tokenizer, max_prompt_tokens, spec.sampling, spec.model.names
         )
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> dict[str, str]:
+    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
         results, errors = layout.openai_results, layout.openai_errors
         write_openai_results(layout, spec.output.format, spec.model.names[0], results, errors)
-        return {"result_file": str(results), "error_file": str(errors)}
+        return FinalFiles(str(results), str(errors))
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         """How many lines cannot run, by error code, with the first message of each."""

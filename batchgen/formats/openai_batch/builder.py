@@ -35,6 +35,23 @@ class RequestBuilder:
         self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
+        return self.build_many([(index, values)])[0]
+
+    def build_many(self, rows: list[tuple[int, dict[str, Any]]]) -> list[RowPrompt]:
+        """Error lines as error rows; chat and completion bodies each tokenized in a batch."""
+        out: list[RowPrompt | None] = [self._error_row(index, values) for index, values in rows]
+        for builder, chat in ((self.chat, True), (self.text, False)):
+            todo = [
+                i
+                for i, (_, values) in enumerate(rows)
+                if out[i] is None and (values.get("messages") is not None) is chat
+            ]
+            for i, built in zip(todo, builder.build_many([rows[i] for i in todo]), strict=True):
+                out[i] = built
+        return out
+
+    def _error_row(self, index: int, values: dict[str, Any]) -> RowPrompt | None:
+        """The row of a line that cannot run (bad line, model not served), else None."""
         model = values.get("model")
         unserved = model is not None and model not in self.served_names
         if values.get("error_code") is None and unserved:
@@ -53,8 +70,7 @@ class RequestBuilder:
             row_id = writable(values.get(ID_COLUMN) or "")
             message = writable(values["error_message"])
             return RowPrompt(index, row_id, None, {}, passthrough, message)
-        builder = self.chat if values.get("messages") is not None else self.text
-        return builder.build(index, values)
+        return None
 
 
 def _writable_value(value: Any) -> Any:

@@ -1,0 +1,212 @@
+"""The job path against the bare engine, on the same text prompts in one process.
+
+A 32k-vocabulary byte-level BPE is trained on English text that ships with Python (the
+language reference in `pydoc_data`) and cached in $BATCHGEN_HOME. Text prompts cut from that
+text are written to a Parquet file; one engine (a random-weight Llama of the shape with the
+tokenizer's vocabulary) runs them twice: as token ids through `Engine.generate`, and as a real
+job (Parquet reader, tokenizer threads, engine, detokenizer, shard writer, final file).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import random
+import sysconfig
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from batchgen.bench.systems import CudaTimeline, gpu_idle_share
+from batchgen.bench.workloads import Shape
+from batchgen.engine import Engine, EngineConfig, SamplingParams
+
+VOCAB = 32768
+OTHER_SWITCH_MS = 20.0  # a GIL switch interval to compare the job's default with
+
+
+class PathResult(NamedTuple):
+    path: str
+    seconds: float
+    output_tokens: int
+    gpu_idle_share: float | None
+    head_s: float  # from the start to the first step's launch
+    tail_s: float  # from the last step's launch to the end (its results written)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+@functools.cache
+def english_text() -> str:
+    """English prose that ships with Python: the language reference (pydoc_data) and the
+    docstrings and comments of the standard library's modules (about 4 MB)."""
+    from pydoc_data.topics import topics
+
+    parts = [topics[k] for k in sorted(topics)]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idle_test", "site-packages", "lib2to3"}
+    for path in sorted(root.rglob("*.py")):
+        if skip.isdisjoint(path.relative_to(root).parts):
+            parts += _docstrings(path)
+    return "\n\n".join(parts)
+
+
+def _docstrings(path: Path) -> list[str]:
+    """The file's docstrings, then its comment lines as one paragraph."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docs = (ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds))
+    lines = (line.strip() for line in source.splitlines())
+    comments = " ".join(line[2:] for line in lines if line.startswith("# "))
+    return [d for d in docs if d] + [comments]
+
+
+def bench_tokenizer(home: Path) -> PreTrainedTokenizerFast:
+    """The 32k byte-level BPE, trained once and kept under home."""
+    from batchgen.models.tiny import train_tokenizer
+
+    folder = home / "bench" / f"tokenizer-{VOCAB}"
+    if (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = train_tokenizer(VOCAB, [english_text()])
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def text_prompts(
+    tokenizer: PreTrainedTokenizerFast, n: int, lengths: tuple[int, int], seed: int = 0
+) -> list[str]:
+    """n seeded passages of the text, each about a length in `lengths` tokens long."""
+    ids = tokenizer(english_text(), add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        size = rng.randint(*lengths)
+        start = rng.randrange(0, len(ids) - size)
+        out.append(tokenizer.decode(ids[start : start + size]))
+    return out
+
+
+def build_model(shape: Shape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    values = shape.llama_config() | {"vocab_size": len(tokenizer)}
+    config = LlamaConfig(
+        **values, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def run_paths(
+    shape: Shape, rows: int, new_tokens: int, lengths: tuple[int, int], config: EngineConfig
+) -> tuple[list[PathResult], int]:
+    """-> ([engine alone, job path, job path at Python's GIL switch interval], vocabulary)
+    on the same prompts, one engine."""
+    from batchgen.models.tiny import batchgen_home
+
+    tokenizer = bench_tokenizer(batchgen_home())
+    texts = text_prompts(tokenizer, rows, lengths)
+    engine = Engine(build_model(shape, tokenizer), replace(config), tokenizer=tokenizer)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    ids = [tokenizer(t).input_ids for t in texts]
+    list(engine.generate(ids[:64], params.replace(max_new_tokens=8), decode=False))  # warm-up
+    results = [_engine_alone(engine, ids, params)]
+    for switch_ms in (None, OTHER_SWITCH_MS):
+        with tempfile.TemporaryDirectory() as tmp:
+            results.append(_job(engine, texts, params, Path(tmp), switch_ms))
+    engine.close()
+    return results, len(tokenizer)
+
+
+def _engine_alone(engine: Engine, ids: list[list[int]], params: SamplingParams) -> PathResult:
+    timeline = CudaTimeline()
+    engine.runner.step_hook = timeline
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = sum(len(o.output_token_ids) for o in engine.generate(ids, params, decode=False))
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    engine.runner.step_hook = None
+    return PathResult(
+        "engine alone (token ids)",
+        end - start,
+        tokens,
+        gpu_idle_share(timeline.steps),
+        timeline.first_launch - start,
+        end - timeline.last_launch,
+    )
+
+
+def _job(
+    engine: Engine, texts: list[str], params: SamplingParams, tmp: Path, switch_ms: float | None
+) -> PathResult:
+    from batchgen.job import run_job
+    from batchgen.spec import load_spec
+
+    pq.write_table(pa.table({"prompt": texts}), tmp / "prompts.parquet")
+    values = {
+        "input.path": str(tmp / "prompts.parquet"),
+        "output.dir": str(tmp / "out"),
+        "sampling.max_new_tokens": params.max_new_tokens,
+        "sampling.ignore_eos": True,
+        "runtime.quiet": True,
+    }
+    if switch_ms is not None:
+        values["runtime.switch_interval_ms"] = switch_ms
+    spec = load_spec(None, values=values)
+    timeline = CudaTimeline()
+    engine.runner.step_hook = timeline
+    start = time.perf_counter()
+    result = run_job(spec, engine=engine)
+    end = time.perf_counter()
+    engine.runner.step_hook = None
+    summary = result.summary
+    if not result.complete or summary.rows_error:
+        raise RuntimeError(f"the benchmark job did not complete cleanly: {summary}")
+    name = "job path (text Parquet -> shards)"
+    if switch_ms is not None:
+        name += f", GIL switch interval {switch_ms:g} ms"
+    return PathResult(
+        name,
+        end - start,
+        summary.generated_tokens,
+        gpu_idle_share(timeline.steps),
+        timeline.first_launch - start,
+        end - timeline.last_launch,
+    )
+
+
+def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], vocab: int) -> str:
+    alone = results[0]
+    lines = [
+        f"{shape}, {rows} rows x {new_tokens} new tokens, {vocab:,}-token vocabulary",
+        "| path | output tok/s | x engine alone | GPU idle (steady decode) "
+        "| start -> first step s | last step -> end s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        idle = "-" if r.gpu_idle_share is None else f"{100 * r.gpu_idle_share:.1f}%"
+        ratio = r.tokens_per_s / alone.tokens_per_s
+        lines.append(
+            f"| {r.path} | {r.tokens_per_s:,.0f} | {ratio:.3f}x | {idle} | {r.head_s:.3f} "
+            f"| {r.tail_s:.3f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""What a job run reports: counts, throughput and start-up phases (summary.json holds it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One run of a job. The row and token counts are this run's; rows_committed_total counts
+    every run's committed input rows."""
+
+    rows_ok: int
+    rows_error: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_s: float
+    rows_committed_total: int
+    resumed: bool
+    complete: bool
+    result_file: str | None = None  # the final file, when the job completed
+    error_file: str | None = None  # OpenAI Batch input: the error lines' file
+    startup_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds (in order)
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return round(self.generated_tokens / max(self.wall_s, 1e-9), 1)
+
+    @property
+    def rows_per_s(self) -> float:
+        return round((self.rows_ok + self.rows_error) / max(self.wall_s, 1e-9), 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json's content (the error file only where the format writes one)."""
+        out = asdict(self)
+        out["wall_s"] = round(self.wall_s, 3)
+        out["generated_tokens_per_s"] = self.generated_tokens_per_s
+        out["rows_per_s"] = self.rows_per_s
+        if self.error_file is None:
+            del out["error_file"]
+        return out
