@@ -24,6 +24,7 @@ from batchgen.engine.model_loader import (
     resolve_device,
     resolve_dtype,
 )
+from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.probe import check_model
 from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
@@ -88,7 +89,9 @@ class Engine:
             self.max_model_len,
             adopted=adopted,
         )
-        self.blocks = BlockManager(self.num_blocks, self.config.block_size)
+        self.blocks = BlockManager(
+            self.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.blocks,
             self.config.max_num_seqs,
@@ -178,10 +181,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    @property
+    def cache_stats(self) -> CacheStats:
+        """Prompt tokens admitted so far, and how many of them the prefix cache served."""
+        return self.scheduler.cache_stats
+
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> launch -> post-process (step N-1's when overlapped)."""
         batch = self.scheduler.schedule()
-        launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+        try:
+            launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+        except BaseException:
+            self.blocks.clear_cache()  # blocks cached for this step may never be written
+            raise
         if not self.config.overlap:
             previous = launched
         else:
