@@ -22,6 +22,7 @@ from tqdm import tqdm
 from batchgen.engine import NOT_READY, Engine, Prompt
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
+from batchgen.engine.prefix_cache import CacheStats
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.io import InputSource, OutputLayout, ShardWriter
@@ -175,14 +176,21 @@ def _run(
     started = time.perf_counter()
     done = committed.indexes
     total = None if source.num_rows is None else max(0, source.num_rows - len(done))
+    before = engine.cache_stats  # the engine may have run other work before this job
+
+    def cache() -> CacheStats:
+        return engine.cache_stats - before
+
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
+        on_row = _progress(bar, started, cache)
         stats, producer = _run_pipeline(
-            spec, source, engine, layout, done, columns, stop, hooks, _progress(bar, started), lock
+            spec, source, engine, layout, done, columns, stop, hooks, on_row, lock
         )
     after = scan_committed(layout, _to_stderr)
     read_all = producer.finished and not stop.is_set()
     complete = read_all and after.indexes >= set(range(producer.rows_read))
-    summary = _summary(stats, time.perf_counter() - started, resuming, len(after.indexes))
+    wall_s = time.perf_counter() - started
+    summary = _summary(stats, wall_s, resuming, len(after.indexes), cache())
     summary["complete"] = complete
     summary |= _write_results(spec, layout) if complete and spec.output.final_file else {}
     summary.setdefault("result_file", None)
@@ -410,7 +418,7 @@ class _either:
         self.stop.set()
 
 
-def _progress(bar: tqdm, started: float) -> Any:
+def _progress(bar: tqdm, started: float, cache: Callable[[], CacheStats]) -> Any:
     last = [0.0]
 
     def on_row(stats: Stats) -> None:
@@ -422,6 +430,7 @@ def _progress(bar: tqdm, started: float) -> Any:
             bar.set_postfix(
                 prompt_tok_s=f"{stats.prompt_tokens / elapsed:,.0f}",
                 gen_tok_s=f"{stats.generated_tokens / elapsed:,.0f}",
+                cache_hit=f"{cache().hit_rate:.0%}",
                 errors=stats.rows_error,
                 refresh=False,
             )
@@ -429,11 +438,16 @@ def _progress(bar: tqdm, started: float) -> Any:
     return on_row
 
 
-def _summary(stats: Stats, wall_s: float, resumed: bool, committed: int) -> dict[str, Any]:
+def _summary(
+    stats: Stats, wall_s: float, resumed: bool, committed: int, cache: CacheStats
+) -> dict[str, Any]:
     return {
         "rows_ok": stats.rows_ok,
         "rows_error": stats.rows_error,
         "prompt_tokens": stats.prompt_tokens,
+        # of the prompt tokens the engine admitted in this run, those served by the prefix cache
+        "prompt_tokens_cached": cache.cached_tokens,
+        "prefix_cache_hit_rate": round(cache.hit_rate, 4),
         "generated_tokens": stats.generated_tokens,
         "wall_s": round(wall_s, 3),
         "generated_tokens_per_s": round(stats.generated_tokens / max(wall_s, 1e-9), 1),
