@@ -54,6 +54,8 @@ class BlockManager:
     def can_allocate(self, request: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Would allocate(request, num_tokens, cached) succeed?"""
         needed = self.blocks_needed(request, num_tokens) - len(cached)
+        if not cached:
+            return needed <= len(self._free) + self.cache.num_pooled
         taken = sum(self.cache.is_pooled(b) for b in cached)  # pooled, but about to be claimed
         return needed <= self.num_free_blocks - taken
 
@@ -72,8 +74,9 @@ class BlockManager:
             request.block_table.append(block)
         if request.block_table:
             self._holders[id(request)] = request
-        if self.caching:
-            self._cache_full_blocks(request, num_tokens)
+        hashes = request.block_hashes
+        if self.caching and (hashes is None or request.num_hashed_blocks < len(hashes)):
+            self._cache_full_blocks(request, num_tokens)  # a decode skips this: all are seen
 
     def share(self, source: Request, target: Request, num_blocks: int) -> None:
         """target (with an empty table) starts with source's first num_blocks blocks."""
