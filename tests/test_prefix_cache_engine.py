@@ -185,3 +185,11 @@ def test_a_step_that_fails_to_launch_leaves_nothing_cached(model_dir) -> None:
     engine.abort_all()  # checks the invariants: no free block is cached
     assert engine.blocks.cache.num_pooled == 0
     assert engine.blocks.num_free_blocks == engine.num_blocks
+
+
+def test_the_start_up_probe_leaves_no_trace(model_dir) -> None:
+    engine = Engine(
+        model_dir("llama"), EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64)
+    )
+    assert engine.cache_stats == CacheStats()
+    assert engine.blocks.cache.num_pooled == 0

@@ -103,6 +103,8 @@ class Engine:
         self._live: dict[str, int] = {}  # request id -> samples still running
         if self.config.check_model:
             check_model(self)  # a model batchgen would run wrongly is refused here
+            self.blocks.clear_cache()  # the probe's prompts are not the caller's
+            self.scheduler.cache_stats = CacheStats()
 
     # -- public API -------------------------------------------------------------------------
 
