@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from batchgen.bench import run
 from batchgen.bench.run import table
-from batchgen.bench.systems import RunResult
+from batchgen.bench.systems import RunResult, batchgen_name
 from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
 from batchgen.cli import main
+from batchgen.engine import EngineConfig
 
 
 def bound(shape: str, workload: str, reuse: bool) -> float:
@@ -63,3 +65,26 @@ def test_prefix_caching_given_twice_is_one_line_error() -> None:
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 2
     assert "give one" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_both_runs_each_loop_with_and_without_the_cache(monkeypatch) -> None:
+    seen: list[EngineConfig] = []
+
+    def fake_run(model, prompts, output_tokens, config):
+        seen.append(config)
+        return result(batchgen_name(config), [[1]], 1.0, 0.5), {"kv_blocks": 1}
+
+    monkeypatch.setattr(run, "run_batchgen", fake_run)
+    config = EngineConfig(device="cpu", enable_prefix_caching=False)
+    results, infos = run._run_systems(None, [[1, 2]], 1, ("overlap", "sync"), config, (True, False))
+    assert [(c.overlap, c.enable_prefix_caching) for c in seen] == [
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    ]
+    assert [r.system for r in results] == [
+        "batchgen overlapped", "batchgen overlapped, no prefix cache",
+        "batchgen synchronous", "batchgen synchronous, no prefix cache",
+    ]  # fmt: skip
+    assert list(infos) == ["overlap", "overlap, no prefix cache", "sync", "sync, no prefix cache"]

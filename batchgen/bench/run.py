@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from batchgen.bench.systems import (
     RunResult,
-    batchgen_name,
     build_model,
     match_rate,
     percentile,
@@ -47,21 +47,8 @@ def run_bench(
         workload = replace(workload, requests=requests)
     prompts = workload.prompts(shape.vocab)
     model = build_model(shape)
-    results: list[RunResult] = []
-    infos: dict[str, dict] = {}
     modes = PREFIX_CACHING[prefix_caching] if prefix_caching else (config.enable_prefix_caching,)
-    for system in systems:
-        if system in ("overlap", "sync"):
-            for caching in modes:
-                cfg = replace(config, overlap=system == "overlap", enable_prefix_caching=caching)
-                result, infos[batchgen_name(cfg)] = run_batchgen(
-                    model, prompts, workload.output_tokens, cfg
-                )
-                results.append(_printed(result))
-        elif system == "hf-static":
-            results.append(_printed(run_hf_static(model, prompts, workload.output_tokens)))
-        else:
-            results.append(_printed(run_hf_generate_batch(model, prompts, workload.output_tokens)))
+    results, infos = _run_systems(model, prompts, workload.output_tokens, systems, config, modes)
     lens = [len(p) for p in prompts]
     bound = roofline_seconds(shape, lens, workload.output_tokens, workload.shared_prefix)
     first = next((r for r in results if r.system.startswith("batchgen")), None)
@@ -75,6 +62,31 @@ def run_bench(
         "infos": infos,
         "roofline_s": bound,
     }
+
+
+def _run_systems(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    output_tokens: int,
+    systems: tuple[str, ...],
+    config: EngineConfig,
+    modes: tuple[bool, ...],
+) -> tuple[list[RunResult], dict[str, dict]]:
+    """Each system in turn (each batchgen loop once per prefix-caching mode)."""
+    results: list[RunResult] = []
+    infos: dict[str, dict] = {}
+    for system in systems:
+        if system in ("overlap", "sync"):
+            for caching in modes:
+                cfg = replace(config, overlap=system == "overlap", enable_prefix_caching=caching)
+                result, info = run_batchgen(model, prompts, output_tokens, cfg)
+                infos[system if caching else f"{system}, no prefix cache"] = info
+                results.append(_printed(result))
+        elif system == "hf-static":
+            results.append(_printed(run_hf_static(model, prompts, output_tokens)))
+        else:
+            results.append(_printed(run_hf_generate_batch(model, prompts, output_tokens)))
+    return results, infos
 
 
 def _printed(result: RunResult) -> RunResult:
