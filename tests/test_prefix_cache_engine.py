@@ -64,9 +64,13 @@ def on_and_off(
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=7)
+# penalties count the prompt's tokens, cached or not; top-k / top-p filter as always
+FILTERED = SEEDED.replace(repetition_penalty=1.3, presence_penalty=0.5, top_k=20, top_p=0.9)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SEEDED, FILTERED], ids=["greedy", "seeded", "penalties"]
+)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_shared_system_prompt(model_dir, params: SamplingParams, overlap: bool) -> None:
     prompts = shared_prefix_prompts(8, 37, (1, 20), seed=1)
