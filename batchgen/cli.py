@@ -253,6 +253,12 @@ class _stop_on_signals:
 )
 @click.option("--new-tokens", type=int, help="With --job: output tokens per row.")
 @click.option(
+    "--prefix-caching",
+    type=click.Choice(["on", "off", "both"]),
+    help="Prefix caching for the batchgen runs; both = each loop with and without it "
+    "(default: runtime.enable_prefix_caching, on).",
+)
+@click.option(
     "--set",
     "sets",
     multiple=True,
@@ -274,6 +280,7 @@ def bench(
     requests: int | None,
     job_rows: int | None,
     new_tokens: int | None,
+    prefix_caching: str | None,
     sets: tuple[str, ...],
     results: str,
 ) -> None:
@@ -297,7 +304,12 @@ def bench(
         unknown = [s for s in chosen if s not in SYSTEMS]
         if unknown:
             raise BatchgenError(f"unknown system {unknown[0]!r}: use {', '.join(SYSTEMS)}")
-        report = run_bench(shape, workload, chosen, engine_config(list(sets)), requests)
+        if prefix_caching and any("enable_prefix_caching" in s for s in sets):
+            raise BatchgenError(
+                "--prefix-caching and --set runtime.enable_prefix_caching: give one"
+            )
+        config = engine_config(list(sets))
+        report = run_bench(shape, workload, chosen, config, requests, prefix_caching)
     except BatchgenError as exc:
         _fail(exc)
     text = table(report)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from batchgen.engine import NOT_READY, Engine, Prompt
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
+from batchgen.engine.prefix_cache import CacheStats
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles
@@ -196,9 +197,15 @@ def _run(
     started = time.perf_counter()
     done = committed.indexes
     total = None if source.num_rows is None else max(0, source.num_rows - len(done))
+    before = engine.cache_stats  # the engine may have run other work before this job
+
+    def cache() -> CacheStats:
+        return engine.cache_stats - before
+
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
+        on_row = _progress(bar, started, cache)
         stats, producer = _run_pipeline(
-            spec, source, engine, layout, done, columns, stop, hooks, _progress(bar, started), lock
+            spec, source, engine, layout, done, columns, stop, hooks, on_row, lock
         )
     after = scan_committed(layout, _to_stderr)
     read_all = producer.finished and not stop.is_set()
@@ -206,10 +213,13 @@ def _run(
     files = _write_results(spec, layout) if complete and spec.output.final_file else None
     if stats.first_row_at is not None:
         startup["first_row"] = round(stats.first_row_at - started, 3)
+    cached = cache()
     summary = JobSummary(
         rows_ok=stats.rows_ok,
         rows_error=stats.rows_error,
         prompt_tokens=stats.prompt_tokens,
+        prompt_tokens_cached=cached.cached_tokens,
+        prefix_cache_hit_rate=round(cached.hit_rate, 4),
         generated_tokens=stats.generated_tokens,
         wall_s=time.perf_counter() - started,
         rows_committed_total=len(after.indexes),
@@ -446,7 +456,7 @@ class _either:
         self.stop.set()
 
 
-def _progress(bar: tqdm, started: float) -> Any:
+def _progress(bar: tqdm, started: float, cache: Callable[[], CacheStats]) -> Any:
     last = [0.0]
 
     def on_row(stats: Stats) -> None:
@@ -458,6 +468,7 @@ def _progress(bar: tqdm, started: float) -> Any:
             bar.set_postfix(
                 prompt_tok_s=f"{stats.prompt_tokens / elapsed:,.0f}",
                 gen_tok_s=f"{stats.generated_tokens / elapsed:,.0f}",
+                cache_hit=f"{cache().hit_rate:.0%}",
                 errors=stats.rows_error,
                 refresh=False,
             )

@@ -14,6 +14,9 @@ class JobSummary:
     rows_ok: int
     rows_error: int
     prompt_tokens: int
+    # of the prompt tokens the engine admitted in this run, those the prefix cache served
+    prompt_tokens_cached: int
+    prefix_cache_hit_rate: float
     generated_tokens: int
     wall_s: float
     rows_committed_total: int

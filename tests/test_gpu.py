@@ -122,6 +122,29 @@ def test_preemption_on_gpu_matches_reference(model_dir) -> None:
     assert got == tokens(ref, prompts, params)
 
 
+def test_prefix_cache_on_gpu_matches_hf_and_the_cache_off(model_dir) -> None:
+    """Triton prefill from cached blocks (start > 0), graphs, a small cache that evicts."""
+    path = model_dir("llama")
+    prefix = random_prompts(1, 70, 70, 1000, seed=8)[0]
+    prompts = [prefix + t for t in random_prompts(12, 1, 30, 1000, seed=9)] + [prefix]
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    on = cuda_engine(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    got = tokens(on, prompts, greedy)
+    assert on.cache_stats.cached_tokens >= 12 * 64
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy_cuda(path, prompt, 16), f"request {i}"
+    seeded = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=1, n=2)
+    runs = []
+    for caching in (True, False):
+        engine = cuda_engine(
+            path, dtype="float32", num_kv_blocks=16, max_num_seqs=4,
+            max_num_batched_tokens=64, enable_prefix_caching=caching,
+        )  # fmt: skip
+        outs = engine.generate(prompts, seeded, decode=False)
+        runs.append({(o.request_id, o.sample_index): o.output_token_ids for o in outs})
+    assert runs[0] == runs[1] and len(runs[0]) == 2 * len(prompts)
+
+
 def test_bf16_overlap_equals_sync_and_capture_report(model_dir) -> None:
     path = model_dir("llama")
     prompts = random_prompts(40, 2, 100, 1000, seed=6)

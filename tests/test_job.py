@@ -105,6 +105,31 @@ def test_parquet_and_saved_dataset_inputs(model_dir, tmp_path: Path) -> None:
     assert [r["id"] for r in results[0]] == [f"u{i}" for i in range(6)]
 
 
+def test_summary_reports_the_prefix_cache_hit_rate(model_dir, tmp_path: Path) -> None:
+    """Rows behind one long instruction: the job's summary counts the prompt tokens the cache
+    served; with runtime.enable_prefix_caching=false none, and the same texts."""
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"article": p} for p in PROMPTS])
+    instruction = "You are a careful assistant. Read the article and summarize it in one line."
+    texts, summaries = [], []
+    for caching in ("true", "false"):
+        out = tmp_path / f"out-{caching}"
+        spec = spec_for(
+            model, inp, out, f"prompt.template='{instruction} Article: {{article}}'",
+            "sampling.max_new_tokens=5", "runtime.block_size=8", "runtime.num_kv_blocks=256",
+            f"runtime.enable_prefix_caching={caching}",
+        )  # fmt: skip
+        assert run_job(spec).complete
+        texts.append([r["text"] for r in read_rows(out)])
+        summaries.append(json.loads((out / "summary.json").read_text()))
+    on, off = summaries
+    assert texts[0] == texts[1]
+    assert on["prompt_tokens"] == off["prompt_tokens"] > 0
+    assert on["prompt_tokens_cached"] >= 11 * 8 and 0 < on["prefix_cache_hit_rate"] < 1
+    assert on["prefix_cache_hit_rate"] == round(on["prompt_tokens_cached"] / on["prompt_tokens"], 4)
+    assert off["prompt_tokens_cached"] == 0 and off["prefix_cache_hit_rate"] == 0
+
+
 def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama", max_position_embeddings=48)
     long_text = " ".join(["word"] * 200)

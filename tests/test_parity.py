@@ -81,6 +81,21 @@ def test_preemption_by_tiny_kv_cache(model_dir, arch: str, overlap: bool) -> Non
     assert engine.blocks.num_free_blocks == engine.num_blocks
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prefix_batch_with_prefix_caching(model_dir, arch: str) -> None:
+    """Prompts that share a system prompt, duplicate or prefix one another: what the prefix
+    cache serves is what Hugging Face computes."""
+    path = model_dir(arch)
+    prefix = random_prompts(1, 35, 35, VOCAB_LOW, seed=13)[0]
+    tails = random_prompts(5, 1, 12, VOCAB_LOW, seed=14)
+    prompts = [prefix + t for t in tails] + [prefix, prefix[:16], prefix + tails[0]]
+    engine = engine_for(path, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
+    got = run(engine, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert engine.cache_stats.cached_tokens >= 7 * 16
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(path, prompt, 10), f"request {i}"
+
+
 def test_overlapped_and_synchronous_loops_agree_sampled(model_dir) -> None:
     path = model_dir("llama")
     prompts = random_prompts(9, 3, 30, VOCAB_LOW, seed=5)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from batchgen.bench.systems import (
     RunResult,
@@ -25,6 +26,8 @@ from batchgen.engine import EngineConfig
 from batchgen.errors import BatchgenError
 
 SYSTEMS = ("overlap", "sync", "hf-static", "hf-batch")
+# --prefix-caching: which batchgen runs each loop gets (None = as the engine config says)
+PREFIX_CACHING = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 def run_bench(
@@ -33,7 +36,10 @@ def run_bench(
     systems: tuple[str, ...],
     config: EngineConfig,
     requests: int | None = None,
+    prefix_caching: str | None = None,
 ) -> dict:
+    """prefix_caching: a key of PREFIX_CACHING; "both" times each batchgen loop with the
+    cache and without it, on the same prompts."""
     if not torch.cuda.is_available():
         raise BatchgenError("batchgen bench needs a CUDA GPU (it times real model shapes)")
     shape, workload = SHAPES[shape_name], WORKLOADS[workload_name]
@@ -41,19 +47,10 @@ def run_bench(
         workload = replace(workload, requests=requests)
     prompts = workload.prompts(shape.vocab)
     model = build_model(shape)
-    results: list[RunResult] = []
-    infos: dict[str, dict] = {}
-    for system in systems:
-        if system in ("overlap", "sync"):
-            cfg = replace(config, overlap=system == "overlap")
-            result, infos[system] = run_batchgen(model, prompts, workload.output_tokens, cfg)
-        elif system == "hf-static":
-            result = run_hf_static(model, prompts, workload.output_tokens)
-        else:
-            result = run_hf_generate_batch(model, prompts, workload.output_tokens)
-        results.append(result)
-        print(f"  {result.system}: {result.tokens_per_s:,.0f} output tok/s", flush=True)
-    bound = roofline_seconds(shape, [len(p) for p in prompts], workload.output_tokens)
+    modes = PREFIX_CACHING[prefix_caching] if prefix_caching else (config.enable_prefix_caching,)
+    results, infos = _run_systems(model, prompts, workload.output_tokens, systems, config, modes)
+    lens = [len(p) for p in prompts]
+    bound = roofline_seconds(shape, lens, workload.output_tokens, workload.shared_prefix)
     first = next((r for r in results if r.system.startswith("batchgen")), None)
     if first is not None:
         infos["hf_teacher_forced"] = teacher_forced_agreement(model, prompts, first.tokens)
@@ -67,6 +64,39 @@ def run_bench(
     }
 
 
+def _run_systems(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    output_tokens: int,
+    systems: tuple[str, ...],
+    config: EngineConfig,
+    modes: tuple[bool, ...],
+) -> tuple[list[RunResult], dict[str, dict]]:
+    """Each system in turn (each batchgen loop once per prefix-caching mode)."""
+    results: list[RunResult] = []
+    infos: dict[str, dict] = {}
+    for system in systems:
+        if system in ("overlap", "sync"):
+            for caching in modes:
+                cfg = replace(config, overlap=system == "overlap", enable_prefix_caching=caching)
+                result, info = run_batchgen(model, prompts, output_tokens, cfg)
+                infos[system if caching else f"{system}, no prefix cache"] = info
+                results.append(_printed(result))
+        elif system == "hf-static":
+            results.append(_printed(run_hf_static(model, prompts, output_tokens)))
+        else:
+            results.append(_printed(run_hf_generate_batch(model, prompts, output_tokens)))
+    return results, infos
+
+
+def _printed(result: RunResult) -> RunResult:
+    hits = (
+        "" if result.cache_hit_rate is None else f", prefix cache hits {result.cache_hit_rate:.1%}"
+    )
+    print(f"  {result.system}: {result.tokens_per_s:,.0f} output tok/s{hits}", flush=True)
+    return result
+
+
 def table(report: dict) -> str:
     results: list[RunResult] = report["results"]
     hf = [r.tokens_per_s for r in results if r.system.startswith("HF")]
@@ -75,8 +105,8 @@ def table(report: dict) -> str:
         f"{report['shape']} {report['workload']} ({report['requests']} requests), roofline "
         f"{report['roofline_s']:.2f} s",
         "| system | output tok/s | x best HF | of roofline | GPU idle (steady decode) "
-        "| TTFT p50 / p90 / p99 s |",
-        "|---|---|---|---|---|---|",
+        "| TTFT p50 / p90 / p99 s | prefix cache hits |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = f"{r.tokens_per_s / best_hf:.2f}x" if best_hf else "-"
@@ -86,9 +116,10 @@ def table(report: dict) -> str:
             if not r.ttft
             else " / ".join(f"{percentile(r.ttft, q):.2f}" for q in (0.5, 0.9, 0.99))
         )
+        hits = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
         lines.append(
             f"| {r.system} | {r.tokens_per_s:,.0f} | {ratio} | "
-            f"{report['roofline_s'] / r.seconds:.1%} | {idle} | {ttft} |"
+            f"{report['roofline_s'] / r.seconds:.1%} | {idle} | {ttft} | {hits} |"
         )
     lines += _agreement(results)
     for system, info in report["infos"].items():
@@ -99,12 +130,21 @@ def table(report: dict) -> str:
 def _agreement(results: list[RunResult]) -> list[str]:
     by_name = {r.system: r for r in results}
     out = []
-    ov, sy = by_name.get("batchgen overlapped"), by_name.get("batchgen synchronous")
+    # each loop's first run (the cached one when both ran)
+    ov = next((r for r in results if r.system.startswith("batchgen overlapped")), None)
+    sy = next((r for r in results if r.system.startswith("batchgen synchronous")), None)
     if ov and sy:
         out.append(
             f"- overlapped == synchronous tokens: {ov.tokens == sy.tokens}; "
             f"speed-up {ov.tokens_per_s / sy.tokens_per_s:.2f}x"
         )
+    for r in results:
+        off = by_name.get(f"{r.system}, no prefix cache")
+        if off is not None:
+            out.append(
+                f"- {r.system}, prefix cache on == off tokens: {r.tokens == off.tokens}; "
+                f"speed-up {r.tokens_per_s / off.tokens_per_s:.2f}x"
+            )
     for r in results:
         if r.system.startswith("HF") and ov:
             rate, diverged = match_rate(ov.tokens, r.tokens)

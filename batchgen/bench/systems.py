@@ -22,6 +22,7 @@ class RunResult(NamedTuple):
     tokens: list[list[int]]  # per request, in prompt order
     ttft: list[float]  # seconds from the start to each request's first token (empty if unknown)
     gpu_idle_share: float | None  # of steady (graphed) decode time
+    cache_hit_rate: float | None = None  # prompt tokens served by the prefix cache (batchgen)
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,11 +49,14 @@ def build_model(shape: Shape, seed: int = 0) -> PreTrainedModel:
 def run_batchgen(
     model: PreTrainedModel, prompts: list[list[int]], output_tokens: int, config: EngineConfig
 ) -> tuple[RunResult, dict]:
-    """One timed engine run (after a short warm-up that compiles kernels)."""
+    """One timed engine run (after a short warm-up that compiles kernels), starting with an
+    empty prefix cache."""
     engine = Engine(model, config)
     # warm-up on a slice of the same prompts: Triton compiles every kernel variant here
     warmup = SamplingParams(max_new_tokens=8, ignore_eos=True)
     list(engine.generate(prompts[:64], warmup, decode=False))
+    engine.blocks.clear_cache()  # what the warm-up cached would be a head start
+    cached_before = engine.cache_stats
     timeline = CudaTimeline()
     engine.runner.step_hook = timeline
     params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
@@ -72,12 +76,20 @@ def run_batchgen(
         **step_breakdown(timeline.steps, seconds),
     }
     idle = gpu_idle_share(timeline.steps)
-    name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
+    hit_rate = (engine.cache_stats - cached_before).hit_rate
     engine.close()
     del engine, graphs
     gc.collect()
     torch.cuda.empty_cache()
-    return RunResult(name, seconds, sum(map(len, tokens)), tokens, ttft, idle), info
+    result = RunResult(
+        batchgen_name(config), seconds, sum(map(len, tokens)), tokens, ttft, idle, hit_rate
+    )
+    return result, info
+
+
+def batchgen_name(config: EngineConfig) -> str:
+    name = "batchgen overlapped" if config.overlap else "batchgen synchronous"
+    return name if config.enable_prefix_caching else f"{name}, no prefix cache"
 
 
 class CudaTimeline:

@@ -87,19 +87,45 @@ WORKLOADS = {
 }
 
 
-def roofline_seconds(shape: Shape, prompt_lens: list[int], output_tokens: int) -> float:
+def roofline_seconds(
+    shape: Shape, prompt_lens: list[int], output_tokens: int, shared_prefix: int = 0
+) -> float:
     """Prefill as compute, then each decode step of all requests at once as
-    max(bytes / bandwidth, flops / peak); bytes = weights + lm_head + the KV cache read."""
-    n = len(prompt_lens)
-    attn_flops_per_pair = 4 * shape.heads * shape.head_dim * shape.layers  # q.k and p.v
-    prefill = sum(
-        2 * shape.matmul_params * p + attn_flops_per_pair * p * p / 2 for p in prompt_lens
+    max(bytes / bandwidth, flops / peak); bytes = weights + lm_head + the KV cache read.
+
+    shared_prefix: the first tokens of every prompt are the same; their prefill is computed
+    once (what prefix caching makes possible) and each prompt's own tokens attend to them.
+    Decode still reads every request's whole context, the shared prefix included.
+    """
+    return _prefill_seconds(shape, prompt_lens, shared_prefix) + _decode_seconds(
+        shape, prompt_lens, output_tokens
     )
-    total = prefill / MATMUL_PEAK
+
+
+def _attn_flops_per_pair(shape: Shape) -> int:
+    return 4 * shape.heads * shape.head_dim * shape.layers  # q.k and p.v
+
+
+def _prefill_seconds(shape: Shape, prompt_lens: list[int], shared_prefix: int) -> float:
+    """Compute for P shared tokens once, then per prompt its s own tokens: 2 x params x s
+    matmul flops and attention over s x P + s^2 / 2 (query, key) pairs."""
+    pair = _attn_flops_per_pair(shape)
+    shared = min([shared_prefix, *prompt_lens]) if prompt_lens else 0
+    flops = 2 * shape.matmul_params * shared + pair * shared * shared / 2
+    for p in prompt_lens:
+        own = p - shared
+        flops += 2 * shape.matmul_params * own + pair * (own * shared + own * own / 2)
+    return flops / MATMUL_PEAK
+
+
+def _decode_seconds(shape: Shape, prompt_lens: list[int], output_tokens: int) -> float:
+    n = len(prompt_lens)
+    pair = _attn_flops_per_pair(shape)
+    total = 0.0
     ctx = sum(prompt_lens)
     for _ in range(output_tokens):
         ctx += n
         nbytes = shape.matmul_params * BYTES + ctx * shape.kv_bytes_per_token
-        flops = 2 * shape.matmul_params * n + attn_flops_per_pair * ctx
+        flops = 2 * shape.matmul_params * n + pair * ctx
         total += max(nbytes / COPY_BANDWIDTH, flops / MATMUL_PEAK)
     return total

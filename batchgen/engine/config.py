@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     overlap: bool = True  # launch step N+1 before post-processing N; False = synchronous oracle
     cuda_graphs: bool = True  # capture decode steps (CUDA only)
     cuda_graph_batch_sizes: tuple[int, ...] = field(

@@ -25,6 +25,7 @@ from batchgen.engine.model_loader import (
     resolve_dtype,
     set_cpu_threads,
 )
+from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.probe import check_model
 from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
@@ -96,7 +97,9 @@ class Engine:
             adopted=adopted,
         )
         clock.mark("kv_cache_and_graphs")
-        self.blocks = BlockManager(self.num_blocks, self.config.block_size)
+        self.blocks = BlockManager(
+            self.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.blocks,
             self.config.max_num_seqs,
@@ -110,6 +113,8 @@ class Engine:
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         if self.config.check_model:
             check_model(self)  # a model batchgen would run wrongly is refused here
+            self.blocks.clear_cache()  # the probe's prompts are not the caller's
+            self.scheduler.cache_stats = CacheStats()
             clock.mark("model_check")
         self.startup_s = clock.phases  # phase -> seconds, in order (summary.json shows them)
 
@@ -190,10 +195,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self._held)
 
+    @property
+    def cache_stats(self) -> CacheStats:
+        """Prompt tokens admitted so far, and how many of them the prefix cache served."""
+        return self.scheduler.cache_stats
+
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> launch -> post-process (step N-1's when overlapped)."""
         batch = self.scheduler.schedule()
-        launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+        try:
+            launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+        except BaseException:
+            self.blocks.clear_cache()  # blocks cached for this step may never be written
+            raise
         if not self.config.overlap:
             previous = launched
         else:

@@ -47,6 +47,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     slot: int = -1  # row of the device token relay and block tables while running, else -1
     num_synced_blocks: int = 0  # block_table entries already in the device block-table row
+    block_hashes: list[bytes] | None = None  # prefix-cache hash chain of the full prompt blocks
+    num_hashed_blocks: int = 0  # leading block_table entries the prefix cache has seen
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.request import Request, Status
 
 
@@ -36,6 +38,7 @@ class Scheduler:
 
     Scheduling a chunk advances request.num_computed_tokens at once and counts a sampled token
     as pending, so the next step can be planned before this one's tokens reach the host.
+    A request admitted with a cached prefix starts after it: cached tokens cost no budget.
     """
 
     def __init__(
@@ -54,6 +57,8 @@ class Scheduler:
         self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self._parents: list[Request] = []  # requests whose other samples wait for their prompt
+        self.cache_stats = CacheStats()  # over first admissions (a preempted request's next
+        # admission recomputes what it lost and is not counted again)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -89,7 +94,8 @@ class Scheduler:
     def add_samples(self, first: Request, others: list[Request]) -> None:
         """n samples of one prompt: `first` prefills it; the others wait for that, then start
         from its prompt blocks (all but the block holding the last prompt token, which each
-        recomputes, so that no block is ever written by two requests)."""
+        recomputes, so that no block is ever written by two requests): shared here, or found
+        in the prefix cache (which holds those blocks then) when they are admitted."""
         self.add(first)
         first.children = others
         self._parents.append(first)
@@ -103,9 +109,10 @@ class Scheduler:
                 continue  # its prompt is not fully scheduled yet
             self._parents.remove(parent)
             shared = 0
-            if parent.status is Status.RUNNING:
+            if parent.status is Status.RUNNING and not self.blocks.caching:
                 shared = (parent.num_prompt_tokens - 1) // self.blocks.block_size
             for child in reversed(parent.children):
+                child.block_hashes = parent.block_hashes
                 self.blocks.share(parent, child, shared)
                 child.num_computed_tokens = shared * self.blocks.block_size
                 self.waiting.appendleft(child)
@@ -125,8 +132,10 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
 
-    def _chunk_size(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _chunk_size(self, request: Request, budget: int, start: int | None = None) -> int:
+        """Tokens of request to schedule from `start` (default: its computed tokens)."""
+        start = request.num_computed_tokens if start is None else start
+        remaining = request.num_tokens - start
         if remaining <= budget:
             return remaining
         return budget if self.chunked else 0
@@ -146,17 +155,27 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:  # preempted with a token in flight: wait for its value
                 break
-            size = self._chunk_size(request, budget)
-            end = request.num_computed_tokens + size
-            if size == 0 or not self.blocks.can_allocate(request, end):
+            cached = self.blocks.cached_prefix(request)  # only for an empty table (computed 0)
+            start = request.num_computed_tokens + len(cached) * self.blocks.block_size
+            size = self._chunk_size(request, budget, start)
+            if size == 0 or not self.blocks.can_allocate(request, start + size, cached):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            chunks.append(self._take(request, size, admitted=True))
+            if not request.num_preemptions:
+                self._count_admission(request, start - request.num_computed_tokens)
+            request.num_computed_tokens = start
+            chunks.append(self._take(request, size, admitted=True, cached=cached))
             budget -= size
         return budget
+
+    def _count_admission(self, request: Request, cached_tokens: int) -> None:
+        stats = self.cache_stats
+        self.cache_stats = CacheStats(
+            stats.prompt_tokens + request.num_prompt_tokens, stats.cached_tokens + cached_tokens
+        )
 
     def _take_decode(self, request: Request) -> ScheduledChunk:
         """_take for one token at the end of a sequence whose last block has room."""
@@ -166,9 +185,11 @@ class Scheduler:
         request.num_pending += 1
         return ScheduledChunk(request, start, 1, True, relay_last)
 
-    def _take(self, request: Request, size: int, admitted: bool = False) -> ScheduledChunk:
+    def _take(
+        self, request: Request, size: int, admitted: bool = False, cached: Sequence[int] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        self.blocks.allocate(request, start + size)
+        self.blocks.allocate(request, start + size, cached)
         request.num_computed_tokens = start + size
         samples = request.num_computed_tokens == request.num_tokens
         relay_last = request.num_pending > 0

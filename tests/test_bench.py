@@ -1,0 +1,90 @@
+"""The benchmark's CPU-side parts: the roofline bound with prefix reuse, the table, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen.bench import run
+from batchgen.bench.run import table
+from batchgen.bench.systems import RunResult, batchgen_name
+from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
+from batchgen.cli import main
+from batchgen.engine import EngineConfig
+
+
+def bound(shape: str, workload: str, reuse: bool) -> float:
+    w = WORKLOADS[workload]
+    lens = [len(p) for p in w.prompts(SHAPES[shape].vocab)]
+    return roofline_seconds(SHAPES[shape], lens, w.output_tokens, w.shared_prefix if reuse else 0)
+
+
+def test_bound_without_reuse_is_the_recorded_one() -> None:
+    """The bounds benchmarks/RESULTS.md printed before reuse was counted."""
+    assert bound("8b", "W1", reuse=True) == pytest.approx(3.41, abs=0.005)
+    assert bound("1b", "W4", reuse=False) == pytest.approx(5.25, abs=0.005)
+
+
+def test_reuse_computes_the_shared_prefix_once() -> None:
+    shape = SHAPES["1b"]
+    one = roofline_seconds(shape, [1200], 16)
+    assert roofline_seconds(shape, [1200], 16, shared_prefix=1024) == pytest.approx(one)
+    # n copies of a prompt: the prefill of one, then only each copy's own 176 tokens
+    many = roofline_seconds(shape, [1200] * 8, 0, shared_prefix=1024)
+    alone = roofline_seconds(shape, [1200], 0) + 7 * (
+        roofline_seconds(shape, [1200], 0) - roofline_seconds(shape, [1024], 0)
+    )
+    assert many == pytest.approx(alone)
+    assert bound("1b", "W4", reuse=True) < 0.5 * bound("1b", "W4", reuse=False)
+
+
+def result(name: str, tokens: list[list[int]], seconds: float, hits: float | None) -> RunResult:
+    return RunResult(name, seconds, sum(map(len, tokens)), tokens, [], None, hits)
+
+
+def test_table_shows_hit_rates_and_compares_cache_on_and_off() -> None:
+    report = {
+        "shape": "1b",
+        "workload": "W4",
+        "requests": 2,
+        "roofline_s": 1.0,
+        "infos": {},
+        "results": [
+            result("batchgen overlapped", [[1, 2], [3]], 2.0, 0.75),
+            result("batchgen overlapped, no prefix cache", [[1, 2], [3]], 4.0, 0.0),
+        ],
+    }
+    text = table(report)
+    assert "| batchgen overlapped | 2 | - | 50.0% | - | - | 75.0% |" in text
+    assert "| batchgen overlapped, no prefix cache | 1 | - | 25.0% | - | - | 0.0% |" in text
+    assert "prefix cache on == off tokens: True; speed-up 2.00x" in text
+
+
+def test_prefix_caching_given_twice_is_one_line_error() -> None:
+    args = ["bench", "--prefix-caching", "both", "--set", "runtime.enable_prefix_caching=false"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2
+    assert "give one" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_both_runs_each_loop_with_and_without_the_cache(monkeypatch) -> None:
+    seen: list[EngineConfig] = []
+
+    def fake_run(model, prompts, output_tokens, config):
+        seen.append(config)
+        return result(batchgen_name(config), [[1]], 1.0, 0.5), {"kv_blocks": 1}
+
+    monkeypatch.setattr(run, "run_batchgen", fake_run)
+    config = EngineConfig(device="cpu", enable_prefix_caching=False)
+    results, infos = run._run_systems(None, [[1, 2]], 1, ("overlap", "sync"), config, (True, False))
+    assert [(c.overlap, c.enable_prefix_caching) for c in seen] == [
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    ]
+    assert [r.system for r in results] == [
+        "batchgen overlapped", "batchgen overlapped, no prefix cache",
+        "batchgen synchronous", "batchgen synchronous, no prefix cache",
+    ]  # fmt: skip
+    assert list(infos) == ["overlap", "overlap, no prefix cache", "sync", "sync, no prefix cache"]
