@@ -23,5 +23,6 @@ fi
 if [ "$phase" = bench ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k closed_engine 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
   bench 200 --shape 1b --workload W1 --systems overlap,sync,hf-static,hf-batch
-  for w in W2 W3 W4; do bench 80 --shape 1b --workload $w --systems overlap; done
+  for w in W2 W3; do bench 80 --shape 1b --workload $w --systems overlap; done
+  bench 120 --shape 1b --workload W4 --systems overlap --prefix-caching both
 fi

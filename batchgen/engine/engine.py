@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
 from batchgen.engine.stop_strings import StopWatcher
 from batchgen.engine.transfer import StepOutput, wait_tokens
+from batchgen.models import batchgen_home
 
 PromptLike = str | list[int] | Prompt
 
@@ -74,6 +76,8 @@ class Engine:
             self.model = load_model(model, self.device, self.dtype)
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
+        if self.device.type == "cuda":  # compiled kernels kept with batchgen's other caches
+            os.environ.setdefault("TRITON_CACHE_DIR", str(batchgen_home() / "triton"))
         self.tokenizer = tokenizer
         clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
