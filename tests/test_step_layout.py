@@ -44,3 +44,43 @@ def test_every_declared_field_round_trips_through_the_buffer() -> None:
     assert [(r.request_id, n) for r, n in host.synced] == [("0", 1), ("1", 2)]
     assert host.flags.any_random and host.flags.any_top_k and host.flags.logprobs_k == 3
     assert torch.equal(step.seq_slots, torch.tensor([r.slot for r in requests]))
+
+
+def test_plain_decodes_packed_in_bulk_equal_the_per_chunk_path(monkeypatch) -> None:
+    """A decode step with plain decodes, a decode inside min_new_tokens (bans), one that opens
+    a new block and a prefill: the bulk path for the leading plain decodes packs exactly what
+    the per-chunk path packs."""
+    from batchgen.engine import step_inputs
+
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.5, top_k=3, seed=1),
+        SamplingParams(min_new_tokens=50),
+        SamplingParams(top_p=0.5),
+    ]
+    requests = [
+        Request(str(i), list(range(5 + 3 * i)), params[i % 4], 0, 200, frozenset({1}), rng_key=i)
+        for i in range(10)
+    ]
+    scheduler = Scheduler(BlockManager(64, 16), 16, 64, True)
+    for r in requests:
+        scheduler.add(r)
+    previous = None
+    for _ in range(4):  # prefill, then decodes as the overlapped loop runs them
+        batch = scheduler.schedule()
+        host, _ = prepare_step(batch)
+        for request, synced in host.synced:
+            request.num_synced_blocks = synced
+        for chunk in previous.chunks if previous else []:  # step N-1's tokens reach the host
+            if chunk.samples:
+                chunk.request.num_pending -= 1
+                chunk.request.output_token_ids.append(7)
+        previous = batch
+    scheduler.add(Request("late", list(range(20)), SamplingParams(), 0, 200, frozenset({1})))
+    batch = scheduler.schedule()
+    assert 0 < step_inputs._plain_decodes(batch.chunks) < len(batch.chunks)
+    bulk_host, bulk = prepare_step(batch, 16, 16)
+    monkeypatch.setattr(step_inputs, "_plain_decodes", lambda chunks: 0)
+    each_host, each = prepare_step(batch, 16, 16)
+    assert torch.equal(bulk, each)
+    assert bulk_host == each_host
