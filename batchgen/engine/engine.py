@@ -277,21 +277,23 @@ class Engine:
         tokens = wait_tokens(out)
         now = time.perf_counter()
         finished = []
-        sampled = (c for c in batch.chunks if c.samples)
-        for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
-            request = chunk.request
+        sampled = [c.request for c in batch.chunks if c.samples]
+        done = Status.FINISHED
+        for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
             request.num_pending -= 1
-            if request.status is Status.FINISHED:
+            if request.status is done:
                 continue  # ended at the previous step; this token was launched before we knew
-            request.output_token_ids.append(token)
-            if request.params.logprobs is not None:
+            outputs = request.output_token_ids
+            outputs.append(token)
+            params = request.params
+            if params.logprobs is not None:
                 request.logprobs.append(
-                    _token_logprobs(out.logprobs_host[row], token, request.params.logprobs)
+                    _token_logprobs(out.logprobs_host[row], token, params.logprobs)
                 )
-            if len(request.output_token_ids) == 1:
+            if len(outputs) == 1:
                 request.first_token_time = now
             reason = request.stop_reason(token)
-            if request.params.stop:  # the watcher has the last word on how it ends
+            if params.stop:  # the watcher has the last word on how it ends
                 self.stops.feed(request, (token,), final=reason is not None)
                 if reason is not None:
                     self.scheduler.finish(request, reason)

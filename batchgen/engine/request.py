@@ -67,8 +67,7 @@ class Request:
 
     @property
     def banned_before_min_tokens(self) -> frozenset[int]:
-        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
-        return eos | frozenset(self.params.stop_token_ids)
+        return self.ending_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,13 +82,21 @@ class Request:
     def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @functools.cached_property
+    def ending_ids(self) -> frozenset[int]:
+        """Tokens that end the sequence: stop_token_ids, and eos unless ignore_eos."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+    @functools.cached_property
+    def max_output_tokens(self) -> int:
+        return self.max_tokens - len(self.prompt_token_ids)
+
     def stop_reason(self, token: int) -> str | None:
         """Why the sequence ends after appending `token`, or None."""
-        if token in self.params.stop_token_ids:
+        if token in self.ending_ids:
             return "stop"
-        if not self.params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if self.num_known_tokens >= self.max_tokens:
+        if len(self.output_token_ids) >= self.max_output_tokens:
             return "length"
         return None
 
