@@ -53,7 +53,8 @@ IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs
 
 class JobResult(NamedTuple):
     summary: JobSummary  # what summary.json holds (for people and scripts)
-    interrupted: bool
+    interrupted: bool  # this process was asked to stop (a signal)
+    stopped_by: str | None = None  # another rank of a data-parallel job stopped it: why
 
     @property
     def complete(self) -> bool:
