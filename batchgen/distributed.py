@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -208,5 +209,8 @@ def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The message's first line, without the "[source.cc:553] " that gloo puts first."""
     lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return (
+        re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", lines[0]) if lines else type(exc).__name__
+    )
