@@ -26,12 +26,12 @@ from batchgen.job import run_job
 from batchgen.spec import load_spec
 from tests.helpers import stop_after
 
-ROWS = 48
-HEARTBEAT_S = 8  # runtime.heartbeat_timeout_s of these jobs
+ROWS = 40
+HEARTBEAT_S = 6  # runtime.heartbeat_timeout_s of these jobs
 SETS = (
     "prompt.id_column='uid'",
     "prompt.sampling_column='s'",  # even rows greedy, odd rows sampled (seeded by runtime.seed)
-    "sampling.max_new_tokens=16",
+    "sampling.max_new_tokens=12",
     "output.shard_rows=3",
     "runtime.max_num_seqs=2",
     "runtime.num_kv_blocks=64",
@@ -142,7 +142,7 @@ def test_a_killed_rank_stops_the_other_and_one_process_finishes_exactly_once(
         start(started, command(job, out), **base, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
     ]
     deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
-    while not (shards_of(out, 0) and len(shards_of(out, 1)) >= 2):
+    while not (shards_of(out, 0) and shards_of(out, 1)):
         assert all(p.poll() is None for p in ranks), "both ranks run until one is killed"
         assert time.monotonic() < deadline, "the ranks never committed"
         time.sleep(0.02)

@@ -33,7 +33,7 @@ def prepared(ids: list[int], done: set[int], share: RowShare) -> list[RowPrompt]
     return out
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     ids=st.lists(st.integers(0, 12), max_size=30),
     done_bits=st.lists(st.booleans(), max_size=30),
