@@ -101,10 +101,16 @@ def engine_config(config: EngineConfig, place: Place) -> EngineConfig:
 
 
 class Failure(NamedTuple):
-    """Why a rank's part of a step failed."""
+    """Why a rank's part of a step (or of the job) failed."""
 
     user: bool  # an error the user can act on (BatchgenError), else a bug
-    message: str
+    message: str  # one line
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        if isinstance(exc, BatchgenError):
+            return cls(True, " ".join(str(exc).split()))
+        return cls(False, f"{type(exc).__name__}: {_first_line(exc)}")
 
 
 class Group:
@@ -145,10 +151,8 @@ class Group:
         if runs:
             try:
                 value = fn()
-            except BatchgenError as exc:
-                failure, own = Failure(True, str(exc)), exc
             except Exception as exc:
-                failure, own = Failure(False, f"{type(exc).__name__}: {_first_line(exc)}"), exc
+                failure, own = Failure.of(exc), exc
         items = self.exchange((failure, value if send else None))
         failed = [(k, f) for k, (f, _) in enumerate(items) if f is not None]
         if failed:

@@ -75,6 +75,11 @@ class Stop(NamedTuple):
     failure: Failure | None = None
 
 
+def publish_first_beat(group: Group) -> None:
+    """Before the last start-up collective: every rank's beat exists once it is passed."""
+    group.store.set(f"beat/{group.rank}", pickle.dumps((0, Progress())))
+
+
 class Heartbeat:
     """One rank's view of the others while the job runs (see the module's docstring)."""
 
@@ -111,10 +116,6 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="batchgen-heartbeat", daemon=True)
 
     # -- the main thread's side --------------------------------------------------------------
-
-    def publish_first_beat(self) -> None:
-        """Before the last start-up collective: every rank's beat key exists once it passed."""
-        self.store.set(f"beat/{self.rank}", pickle.dumps((0, self.progress())))
 
     def start(self) -> None:
         now = time.monotonic()
