@@ -8,7 +8,8 @@ block the others. Each rank runs a thread that, every BEAT_S:
 - reads every rank's beat: a rank whose counter has not moved for `timeout_s` is lost (dead,
   or hung); the first rank to see a loss, to fail or to be interrupted announces it under
   `stop`, and every rank that reads `stop` sets its job's stop event (the step in flight
-  finishes, the rows done are committed).
+  finishes, the rows done are committed). A rank lost after it ended (its beat says so: its
+  rows are committed) stops no one.
 At the end every rank publishes its RankEnd; rank 0 waits for every rank's end (or its loss),
 writes the final file and the summary, and publishes the outcome; every other rank waits for
 it (or rank 0's loss), acknowledges it and leaves; rank 0 leaves once every rank not lost has
@@ -67,6 +68,14 @@ class RankEnd(NamedTuple):
     startup_s: dict[str, float]
 
 
+class Beat(NamedTuple):
+    """What a rank publishes every BEAT_S."""
+
+    count: int  # moves on every beat: a rank whose count stays put is lost
+    progress: Progress
+    ended: bool  # its RankEnd is published: its rows are committed
+
+
 class Stop(NamedTuple):
     """Why every rank stops: announced once, by the first rank to know."""
 
@@ -77,7 +86,7 @@ class Stop(NamedTuple):
 
 def publish_first_beat(group: Group) -> None:
     """Before the last start-up collective: every rank's beat exists once it is passed."""
-    group.store.set(f"beat/{group.rank}", pickle.dumps((0, Progress())))
+    group.store.set(f"beat/{group.rank}", pickle.dumps(Beat(0, Progress(), False)))
 
 
 class Heartbeat:
@@ -168,17 +177,18 @@ class Heartbeat:
     def _tick(self) -> None:
         store, me = self.store, self.rank
         self._count += 1
-        store.set(f"beat/{me}", pickle.dumps((self._count, self.progress())))
-        if self._end is not None and self._end.failure is not None:
-            self._announce(Stop(me, f"rank {me} failed", self._end.failure))
-        self._send(f"end/{me}", None if self._end is None else pickle.dumps(self._end))
+        end = self._end
+        if end is not None and end.failure is not None:
+            self._announce(Stop(me, f"rank {me} failed", end.failure))
+        self._send(f"end/{me}", None if end is None else pickle.dumps(end))  # before `ended`
+        store.set(f"beat/{me}", pickle.dumps(Beat(self._count, self.progress(), end is not None)))
         self._send("outcome", self._outcome)
         beats = [pickle.loads(b) for b in store.multi_get([f"beat/{k}" for k in range(self.world)])]
         now = time.monotonic()
-        for k, (count, _) in enumerate(beats):
-            if count != self._counts[k]:
-                self._counts[k], self._seen[k] = count, now
-        self.last = [p for _, p in beats]
+        for k, beat in enumerate(beats):
+            if beat.count != self._counts[k]:
+                self._counts[k], self._seen[k] = beat.count, now
+        self.last = [b.progress for b in beats]
         on_beat = self.on_beat
         if on_beat is not None:
             on_beat(self.last)
@@ -190,7 +200,8 @@ class Heartbeat:
             if k == me or k in self.lost or now - self._seen[k] <= self.timeout_s:
                 continue
             self.lost.add(k)
-            if "outcome" not in self._sent:  # after it, a silent rank has only left early
+            # a rank lost after its end (its rows committed) or after the outcome stops no one
+            if not beats[k].ended and "outcome" not in self._sent:
                 why = f"rank {k} stopped (no word from it for {self.timeout_s:g} s)"
                 self._announce(Stop(k, why))
                 self._stop_by(Stop(k, why))
