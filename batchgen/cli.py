@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, JobStopped
 
 EXIT_INCOMPLETE = 1  # the job ended with rows not committed
 EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
@@ -39,7 +39,7 @@ SHORTCUTS = {
 
 def _fail(exc: BaseException) -> None:
     click.echo(f"batchgen: error: {_one_line(str(exc))}", err=True)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(EXIT_INCOMPLETE if isinstance(exc, JobStopped) else EXIT_USER_ERROR)
 
 
 def _one_line(text: str) -> str:
@@ -145,22 +145,55 @@ def main() -> None:
 @click.option(
     "--force-resume", is_flag=True, help="Resume an output directory whose job spec differs."
 )
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    help="Start N ranks on this machine, one per GPU, that share the rows (without GPUs: N "
+    "CPU processes). Under torchrun, leave it out.",
+)
 @_guarded
 def run(
-    job: str | None, sets: tuple[str, ...], quiet: bool, force_resume: bool, **shortcuts: Any
+    job: str | None,
+    sets: tuple[str, ...],
+    quiet: bool,
+    force_resume: bool,
+    gpus: int | None,
+    **shortcuts: Any,
 ) -> None:
-    """Run JOB (a TOML spec) or a job given by options; resumes where it stopped."""
-    from batchgen.job import run_job
+    """Run JOB (a TOML spec) or a job given by options; resumes where it stopped. Under
+    torchrun, each process is one rank of a data-parallel job."""
+    from batchgen.distributed import LAUNCHED, place_from_env
 
+    place = place_from_env()
+    if gpus is not None and place is not None and not os.environ.get(LAUNCHED):
+        raise BatchgenError("--gpus starts the ranks itself: leave it out under torchrun")
+    if gpus is not None and gpus > 1 and place is None:
+        from batchgen.launch import launch
+
+        sys.exit(launch(gpus, sys.argv[1:]))
+    lead = place is None or place.rank == 0  # the rank that reports the job
+    if place is not None:  # before torch loads: its C++ warnings (a peer's closed socket,
+        # with a stack) would bury the line that says which rank stopped; =WARNING shows them
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         spec = _load(job, sets + (("runtime.quiet=true",) if quiet else ()), shortcuts)
         stop = threading.Event()
         received: list[int] = []
-        with _stop_on_signals(stop, received):
-            result = run_job(spec, force_resume=force_resume, stop=stop)
+        with _stop_on_signals(stop, received, echo=lead):
+            result = _run(spec, place, force_resume, stop)
     except BatchgenError as exc:
         _fail(exc)
-    click.echo(json.dumps(result.summary.to_dict(), indent=2))
+    if lead:
+        click.echo(json.dumps(result.summary.to_dict(), indent=2))
+    if result.stopped_by is not None:
+        click.echo(
+            f"batchgen: error: {result.stopped_by}: the committed rows are kept in "
+            f"{spec.output.dir}; run the same command again to resume",
+            err=True,
+        )
+        sys.exit(EXIT_INCOMPLETE)
+    if not lead:
+        sys.exit(_exit_code(result, received))
     if not result.interrupted and not result.complete:
         committed = result.rows_committed
         click.echo(
@@ -176,6 +209,29 @@ def run(
             err=True,
         )
         sys.exit(128 + (received[0] if received else signal.SIGINT))
+
+
+def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event) -> Any:
+    """The job alone, or this process's rank of it (a place in a world of several)."""
+    if place is None or place.world_size == 1:
+        from batchgen.job import run_job
+
+        return run_job(spec, force_resume=force_resume, stop=stop)
+    import torch
+
+    from batchgen.data_parallel import run_ranks
+    from batchgen.distributed import joined
+
+    cuda = spec.engine.device != "cpu" and torch.cuda.is_available()
+    with joined(place, spec.pipeline.rank_timeout_s, cuda) as group:
+        return run_ranks(spec, group, force_resume=force_resume, stop=stop)
+
+
+def _exit_code(result: Any, received: list[int]) -> int:
+    """A quiet rank's exit status: the one the reporting rank exits with."""
+    if result.interrupted:
+        return 128 + (received[0] if received else signal.SIGINT)
+    return 0 if result.complete else EXIT_INCOMPLETE
 
 
 @main.command()
@@ -209,8 +265,8 @@ def build_default() -> None:
 class _stop_on_signals:
     """SIGINT/SIGTERM set `stop` (finish the step, commit, exit); a second SIGINT aborts."""
 
-    def __init__(self, stop: threading.Event, received: list[int]) -> None:
-        self.stop, self.received = stop, received
+    def __init__(self, stop: threading.Event, received: list[int], echo: bool = True) -> None:
+        self.stop, self.received, self.echo = stop, received, echo
         self.previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -218,9 +274,10 @@ class _stop_on_signals:
             raise KeyboardInterrupt
         self.received.append(signum)
         self.stop.set()
-        click.echo(
-            "\nbatchgen: stopping after the step in flight (Ctrl-C again to abort)", err=True
-        )
+        if self.echo:
+            click.echo(
+                "\nbatchgen: stopping after the step in flight (Ctrl-C again to abort)", err=True
+            )
 
     def __enter__(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):

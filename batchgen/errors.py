@@ -10,3 +10,8 @@ def check_field(ok: bool, name: str, value: object, allowed: str) -> None:
     (Config dataclasses call it in __post_init__; the spec loader adds the section.)"""
     if not ok:
         raise ValueError(f"{name}={value!r} is not allowed: use {allowed}")
+
+
+class JobStopped(BatchgenError):
+    """Another rank of a data-parallel job stopped (or was lost), so this one stopped too: the
+    message names it; the committed rows are kept and the same command resumes (exit 1)."""

@@ -44,6 +44,7 @@ from batchgen.io.output_location import check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
 from batchgen.prompts import RowPrompt
+from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
 
@@ -52,7 +53,8 @@ IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs
 
 class JobResult(NamedTuple):
     summary: JobSummary  # what summary.json holds (for people and scripts)
-    interrupted: bool
+    interrupted: bool  # this process was asked to stop (a signal)
+    stopped_by: str | None = None  # another rank of a data-parallel job stopped it: why
 
     @property
     def complete(self) -> bool:
@@ -153,10 +155,10 @@ def run_job(
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
     layout = OutputLayout(Path(spec.output.dir))
     with DirectoryLock(layout) as lock:
-        previous = _previous(layout, force_resume)
+        previous = previous_run(layout, force_resume)
         fingerprint = source.fingerprint()
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
-        _check_resumable(layout, previous, current, ("settings", "input"), force_resume)
+        check_resumable(layout, previous, current, ("settings", "input"), force_resume)
         startup = {"checks": round(time.perf_counter() - started, 3)}
         if engine is None:
             engine = Engine(spec.model.path, spec.engine)
@@ -166,13 +168,13 @@ def run_job(
                 f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one"
             )
         current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
-        _check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
-        resuming = _claim(layout, spec, current, previous)
+        check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
+        resuming = claim(layout, spec, current, previous)
         remove_temp_files(layout)
         committed = scan_committed(layout, note)
         columns = job_columns(spec, source)
         if resuming and fingerprint is None and committed.indexes and hooks.verify_rows:
-            _verify_rows(spec, source, committed)
+            verify_rows(spec, source, committed)
         if hooks.on_start is not None:
             hooks.on_start(layout, committed)
         return _run(
@@ -204,13 +206,13 @@ def _run(
 
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
         on_row = _progress(bar, started, cache)
-        stats, producer = _run_pipeline(
-            spec, source, engine, layout, done, columns, stop, hooks, on_row, lock
+        stats, producer = run_pipeline(
+            spec, source, engine, layout, done, columns, stop, hooks, on_row, lock.check
         )
     after = scan_committed(layout, _to_stderr)
     read_all = producer.finished and not stop.is_set()
     complete = read_all and after.indexes >= set(range(producer.rows_read))
-    files = _write_results(spec, layout) if complete and spec.output.final_file else None
+    files = write_results(spec, layout) if complete and spec.output.final_file else None
     if stats.first_row_at is not None:
         startup["first_row"] = round(stats.first_row_at - started, 3)
     cached = cache()
@@ -233,7 +235,7 @@ def _run(
     return JobResult(summary, stop.is_set())
 
 
-def _previous(layout: OutputLayout, force: bool) -> Manifest | None:
+def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:
     """The manifest of an earlier run, or None for a new (or, with force, adopted) directory."""
     out = layout.dir
     try:
@@ -265,7 +267,7 @@ def _only_empty_shards_dir(layout: OutputLayout) -> bool:
     return entries == [layout.shards] and not any(layout.shards.iterdir())
 
 
-def _check_resumable(
+def check_resumable(
     layout: OutputLayout,
     previous: Manifest | None,
     current: dict[str, Any],
@@ -284,7 +286,7 @@ def _check_resumable(
         )
 
 
-def _claim(
+def claim(
     layout: OutputLayout, spec: JobSpec, identity: dict[str, Any], previous: Manifest | None
 ) -> bool:
     """Record the job in the manifest -> True when the directory already held it."""
@@ -295,7 +297,7 @@ def _claim(
     return previous is not None or bool(layout.shard_paths())
 
 
-def _verify_rows(spec: JobSpec, source: InputSource, committed: Committed) -> None:
+def verify_rows(spec: JobSpec, source: InputSource, committed: Committed) -> None:
     """For an input without a fingerprint: every committed row must still read the same."""
     last = max(committed.indexes)
     columns = _read_columns(spec)
@@ -320,7 +322,7 @@ def _read_columns(spec: JobSpec) -> list[str] | None:
     return input_format(spec.input.format).read_columns(spec)
 
 
-def _run_pipeline(
+def run_pipeline(
     spec: JobSpec,
     source: InputSource,
     engine: Engine,
@@ -330,8 +332,11 @@ def _run_pipeline(
     stop: threading.Event,
     hooks: Hooks,
     on_row: Any,
-    lock: DirectoryLock,
+    before_commit: Callable[[], None],
+    share: RowShare = ALONE,
 ) -> tuple[Stats, Producer]:
+    """Generate this process's share of the rows not in `done` into committed shards.
+    before_commit: raises when no shard may be written (the directory's lock is lost)."""
     builder, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
     producer = Producer(
@@ -343,10 +348,17 @@ def _run_pipeline(
         spec.pipeline.prefetch_batches * source.batch_rows,
         halt,
         hash_rows=INPUT_HASH in columns,
+        share=share,
     )
     out = spec.output
     writer = ShardWriter(
-        layout, out.format, columns, out.shard_rows, out.shard_seconds, before_commit=lock.check
+        layout,
+        out.format,
+        columns,
+        out.shard_rows,
+        out.shard_seconds,
+        before_commit=before_commit,
+        rank=None if share.world_size == 1 else share.rank,
     )
     tok = engine.tokenizer
     consumer = Consumer(
@@ -476,7 +488,7 @@ def _progress(bar: tqdm, started: float, cache: Callable[[], CacheStats]) -> Any
     return on_row
 
 
-def _write_results(spec: JobSpec, layout: OutputLayout) -> FinalFiles:
+def write_results(spec: JobSpec, layout: OutputLayout) -> FinalFiles:
     """The final file(s) in input order (the format decides which)."""
     try:
         return input_format(spec.input.format).write_results(spec, layout)

@@ -20,6 +20,7 @@ from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow
 from batchgen.prompts import PromptBuilder, RowPrompt
+from batchgen.row_share import ALONE, RowShare
 
 _POLL_S = 0.2
 PREPARE_ROWS = 128  # rows per tokenizer task: the engine's first rows wait for one task only
@@ -33,7 +34,11 @@ def row_hash(row: RawRow) -> str:
 
 
 class Producer(threading.Thread):
-    """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool."""
+    """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool.
+
+    With several ranks (share), every rank streams every row and tracks every id, so a
+    duplicate id is flagged alike at any world size, but prepares only the rows it owns.
+    """
 
     def __init__(
         self,
@@ -45,6 +50,7 @@ class Producer(threading.Thread):
         prefetch_rows: int,
         stop: threading.Event,
         hash_rows: bool = False,
+        share: RowShare = ALONE,
     ) -> None:
         super().__init__(name="batchgen-producer", daemon=True)
         self.batches = batches
@@ -52,6 +58,8 @@ class Producer(threading.Thread):
         self.done = done
         self.id_column = id_column
         self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
+        self.share = share
+        self._pending = 0  # rows read so far that no committed shard holds (see row_share)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
         self.queue: queue.Queue[Future[list[RowPrompt]] | None]
         self.queue = queue.Queue(maxsize=max(1, prefetch_rows // PREPARE_ROWS))
@@ -105,7 +113,8 @@ class Producer(threading.Thread):
         return self._ready.popleft()
 
     def _check(self, row: RawRow) -> tuple[bool, str | None]:
-        """Count the row and its id -> (not yet committed, the id if an earlier row had it)."""
+        """Count the row and its id -> (not yet committed and this rank's, the id if an
+        earlier row had it)."""
         self.rows_read += 1
         duplicate = None
         if self.id_column is not None and row.values is not None:
@@ -115,7 +124,10 @@ class Producer(threading.Thread):
                 duplicate = key
             elif key is not None:
                 self._ids.add(key)
-        return row.index not in self.done, duplicate
+        if row.index in self.done:
+            return False, duplicate
+        self._pending += 1
+        return self.share.owns(self._pending - 1), duplicate
 
     def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
         readable = [(row.index, row.values) for row, _ in rows if row.values is not None]

@@ -53,6 +53,12 @@ class PipelineConfig:
     # Python's default 5 ms): shorter makes the engine thread wait less for the GIL after a
     # device sync but makes every thread switch more often (0.5 ms measured slower)
     switch_interval_ms: float = 5.0
+    # data-parallel jobs (torchrun): how long a rank waits for the others at a start-up step
+    # (their model loads included) before it gives up ...
+    rank_timeout_s: float = 1800.0
+    # ... and how long a rank may go unheard while the job runs before the others take it as
+    # stopped (dead or hung) and stop too
+    heartbeat_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
@@ -61,6 +67,10 @@ class PipelineConfig:
             raise ValueError(f"prefetch_batches={self.prefetch_batches} must be >= 1")
         if not 0 < self.switch_interval_ms <= 100:
             raise ValueError(f"switch_interval_ms={self.switch_interval_ms} must be in (0, 100]")
+        if self.rank_timeout_s <= 0:
+            raise ValueError(f"rank_timeout_s={self.rank_timeout_s} must be > 0")
+        if self.heartbeat_timeout_s < 2:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 2")
 
 
 @dataclass(frozen=True)

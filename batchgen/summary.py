@@ -25,6 +25,9 @@ class JobSummary:
     result_file: str | None = None  # the final file, when the job completed
     error_file: str | None = None  # OpenAI Batch input: the error lines' file
     startup_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds (in order)
+    # ranks that ran the job (data-parallel): the counts are their totals, each start-up
+    # phase the slowest rank's
+    world_size: int = 1
 
     @property
     def generated_tokens_per_s(self) -> float:

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -147,10 +148,13 @@ class DirectoryLock:
     The lock file holds the owner's pid and host. On one host the kernel's advisory lock
     (flock) decides: a lock file left by a dead process is stale and taken over. The directory
     is created when missing, and removed again on release if this lock created it and nothing
-    was written into it.
+    was written into it. The file also names this run (`run`, random), so that the other ranks
+    of a data-parallel job can check that the lock rank 0 took is still this run's
+    (RankLock).
     """
 
     layout: OutputLayout
+    run: str = field(default_factory=lambda: secrets.token_hex(8))
     _fd: int | None = None
     _created: bool = False
 
@@ -184,7 +188,7 @@ class DirectoryLock:
                 ) from None
             if _same_file(fd, self.layout.lock):
                 self._fd = fd
-                _write_owner(fd)
+                _write_owner(fd, self.run)
                 return
             os.close(fd)
         raise BatchgenError(f"could not lock output directory '{out}': try again")
@@ -193,11 +197,7 @@ class DirectoryLock:
         """BatchgenError unless this run still holds the lock (the directory or its lock file
         removed or replaced under it: another run may be writing now)."""
         if self._fd is None or not _same_file(self._fd, self.layout.lock):
-            raise BatchgenError(
-                f"lost the lock on output directory '{self.layout.dir}' (its lock file was "
-                "removed or replaced while this run wrote it): no more rows are written; run "
-                "the same command again once no other run uses the directory"
-            )
+            raise _lost_lock(self.layout)
 
     def release(self) -> None:
         if self._fd is None:
@@ -218,6 +218,33 @@ class DirectoryLock:
         self.release()
 
 
+@dataclass(frozen=True)
+class RankLock:
+    """The directory's lock as another rank of a data-parallel job sees it: rank 0 holds the
+    lock for every rank of the run; before each commit a rank checks that the lock file still
+    names that run (not removed, and not taken by another run since)."""
+
+    layout: OutputLayout
+    run: str  # the DirectoryLock.run of rank 0's lock
+
+    def check(self) -> None:
+        """BatchgenError unless the lock file still names this run."""
+        try:
+            owner = json.loads(self.layout.lock.read_bytes())
+        except (OSError, ValueError):
+            owner = None
+        if not isinstance(owner, dict) or owner.get("run") != self.run:
+            raise _lost_lock(self.layout)
+
+
+def _lost_lock(layout: OutputLayout) -> BatchgenError:
+    return BatchgenError(
+        f"lost the lock on output directory '{layout.dir}' (its lock file was "
+        "removed or replaced while this run wrote it): no more rows are written; run "
+        "the same command again once no other run uses the directory"
+    )
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path)
@@ -227,8 +254,8 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _write_owner(fd: int) -> None:
-    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+def _write_owner(fd: int, run: str) -> None:
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run": run}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, text, 0)
 

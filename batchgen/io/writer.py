@@ -59,6 +59,7 @@ class ShardWriter:
         shard_rows: int,
         shard_seconds: float,
         before_commit: Callable[[], None] | None = None,
+        rank: int | None = None,
     ) -> None:
         check_field(format in OUTPUT_FORMATS, "format", format, " or ".join(OUTPUT_FORMATS))
         self.layout = layout
@@ -69,8 +70,11 @@ class ShardWriter:
         self.columns = dict(columns)
         self.shard_rows = shard_rows
         self.shard_seconds = shard_seconds
-        # unique per writer, sortable by start time: "20261130T120000-4242-a1b2c3"
-        self.token = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+        # unique per writer, sortable by start time: "20261130T120000-4242-a1b2c3"; a rank of
+        # a data-parallel job adds its rank ("20261130T120000-4242-r3-a1b2c3"): pids of
+        # processes on different nodes may be equal, ranks of one run are not
+        where = f"{os.getpid()}" if rank is None else f"{os.getpid()}-r{rank}"
+        self.token = f"{time.strftime('%Y%m%dT%H%M%S')}-{where}-{secrets.token_hex(3)}"
         self._seq = 0
         self._rows: list[Row] = []
         self._first_row_at = 0.0  # time.monotonic() of the buffer's first row

@@ -1,0 +1,220 @@
+"""One process among the ranks of a data-parallel job: its place, how the ranks meet, the
+start-up steps they pass together, and its device.
+
+torchrun (or `batchgen run --gpus N`) gives each process its place in the environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and where the ranks meet (MASTER_ADDR, MASTER_PORT).
+They meet through torch.distributed: a key-value store (the heartbeat's, see heartbeat.py) and
+a process group: gloo carries the Python objects the ranks exchange; on GPU ranks NCCL is
+declared for CUDA tensors (created lazily: the engines exchange no tensor, so never).
+
+Invariant: every start-up step all ranks pass goes through `agree`: each rank runs its part,
+the outcomes are exchanged in one collective, and when any rank failed every rank raises the
+same one-line error, so that no rank waits in a later collective for one that stopped. A
+collective that fails (a peer died and its connections closed) or times out (a peer hangs)
+raises JobStopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from batchgen.errors import BatchgenError, JobStopped
+from batchgen.row_share import RowShare
+
+if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs none of it
+    import torch.distributed as dist
+
+    from batchgen.engine.config import EngineConfig
+
+LAUNCHED = "BATCHGEN_LAUNCHED"  # set in the ranks `batchgen run --gpus N` starts
+STORE_PREFIX = "batchgen"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process is among the job's ranks."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0  # among the ranks on this machine (its GPU)
+    local_world_size: int = 1
+
+    @property
+    def share(self) -> RowShare:
+        return RowShare(self.rank, self.world_size)
+
+
+def place_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> Place | None:
+    """This process's place when a launcher started it as a rank; None otherwise."""
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except (KeyError, ValueError):
+        found = ", ".join(f"{n}={env.get(n)!r}" for n in names)
+        raise BatchgenError(
+            f"the environment names no valid rank ({found}): start the ranks with torchrun, "
+            "or unset RANK and WORLD_SIZE to run alone"
+        ) from None
+    if not (0 <= rank < world and 0 <= local < local_world):
+        raise BatchgenError(
+            f"RANK={rank} of WORLD_SIZE={world} (LOCAL_RANK={local} of {local_world}) is not a "
+            "valid place: start the ranks with torchrun"
+        )
+    return Place(rank, world, local, local_world)
+
+
+def engine_config(config: EngineConfig, place: Place) -> EngineConfig:
+    """This rank's engine settings: its own GPU (cuda:LOCAL_RANK) for device auto or cuda, and
+    its part of the machine's cores on the CPU."""
+    import torch
+
+    device = config.device
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if place.local_rank >= visible:
+            raise BatchgenError(
+                f"rank {place.rank} is local rank {place.local_rank} but this machine shows "
+                f"{visible} GPU(s): start at most {visible} ranks per machine"
+            )
+        device = f"cuda:{place.local_rank}"
+    elif device.startswith("cuda:") and place.local_world_size > 1:
+        raise BatchgenError(
+            f"runtime.device={device!r} puts every rank of this machine on one GPU: use "
+            "device 'auto' or 'cuda' (each rank takes the GPU of its LOCAL_RANK)"
+        )
+    threads = config.cpu_threads
+    if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        threads = max(1, len(os.sched_getaffinity(0)) // place.local_world_size - 1)
+    return dataclasses.replace(config, device=device, cpu_threads=threads)
+
+
+class Failure(NamedTuple):
+    """Why a rank's part of a step (or of the job) failed."""
+
+    user: bool  # an error the user can act on (BatchgenError), else a bug
+    message: str  # one line
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        if isinstance(exc, BatchgenError):
+            return cls(True, " ".join(str(exc).split()))
+        return cls(False, f"{type(exc).__name__}: {_first_line(exc)}")
+
+
+class Group:
+    """The ranks of one job, met: collectives over the process group, and the store."""
+
+    def __init__(self, place: Place, store: dist.Store) -> None:
+        import torch.distributed as dist
+
+        self.place = place
+        self.store = dist.PrefixStore(STORE_PREFIX, store)
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.place.world_size
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Every rank runs fn; each gets its own value, or every rank raises the first
+        failure."""
+        return self._step(fn, runs=True, send=False)
+
+    def agree_on_root(self, fn: Callable[[], T]) -> T:
+        """Rank 0 runs fn; every rank gets its value, or raises its failure."""
+        return self._step(fn, runs=self.rank == 0, send=True)[0]
+
+    def gather(self, fn: Callable[[], T]) -> list[T]:
+        """Every rank runs fn; every rank gets every rank's value (by rank)."""
+        return self._step(fn, runs=True, send=True)
+
+    def _step(self, fn: Callable[[], T], runs: bool, send: bool) -> Any:
+        """-> every rank's value (send) or this rank's own."""
+        value: Any = None
+        failure: Failure | None = None
+        own: BaseException | None = None
+        if runs:
+            try:
+                value = fn()
+            except Exception as exc:
+                failure, own = Failure.of(exc), exc
+        items = self.exchange((failure, value if send else None))
+        failed = [(k, f) for k, (f, _) in enumerate(items) if f is not None]
+        if failed:
+            first, why = failed[0]
+            if first == self.rank and own is not None:
+                raise own
+            if why.user:
+                raise BatchgenError(why.message)  # the same line on every rank
+            raise JobStopped(
+                f"rank {first} stopped with an internal error ({why.message[:200]}); its log "
+                "holds the traceback"
+            )
+        return [v for _, v in items] if send else value
+
+    def exchange(self, item: Any) -> list[Any]:
+        """all_gather_object; a peer lost (closed connection, timeout) raises JobStopped."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, item)
+        except (RuntimeError, ValueError) as exc:  # DistError, gloo's connection errors
+            raise JobStopped(
+                f"another rank stopped before the job started ({_first_line(exc)[:200]}): run "
+                "the same command again to resume"
+            ) from exc
+        return out
+
+
+@contextlib.contextmanager
+def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
+    """Meet the other ranks (the store at MASTER_ADDR:MASTER_PORT, then the process group);
+    leave the group on exit. timeout_s bounds every wait for the others in a collective."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    except (RuntimeError, ValueError) as exc:
+        raise BatchgenError(
+            f"rank {place.rank} could not meet the other ranks at {where} "
+            f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start the ranks "
+            "with torchrun"
+        ) from exc
+    if cuda:
+        torch.cuda.set_device(place.local_rank)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size, timeout=timeout
+    )
+    try:
+        yield Group(place, store)
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message's first line, without the "[source.cc:553] " that gloo puts first."""
+    lines = str(exc).strip().splitlines()
+    return (
+        re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", lines[0]) if lines else type(exc).__name__
+    )

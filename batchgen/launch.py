@@ -1,0 +1,92 @@
+"""`batchgen run --gpus N`: start N ranks of the same command on this machine (what torchrun
+does for one node, without torchrun).
+
+Each rank is the same command again, with the environment torchrun would give it: RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT (rank 0
+hosts the store), OMP_NUM_THREADS=1 unless set. The ranks run in a session of their own: each
+SIGINT or SIGTERM this process gets is passed on to every rank once, so Ctrl-C stops the job
+and a second Ctrl-C aborts it, as for one process. A rank that exits with an error stops the
+others through the heartbeat; a rank killed by a signal is not heard from, so the others are
+sent SIGTERM at once (they commit and exit). Any rank still running GRACE_S later is sent
+SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from batchgen.distributed import LAUNCHED
+
+GRACE_S = 30.0  # how long ranks may take to stop on their own once one has failed
+POLL_S = 0.1
+
+
+def launch(ranks: int, argv: list[str]) -> int:
+    """Run `batchgen <argv>` as `ranks` ranks; -> the exit status for this process."""
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        LAUNCHED: "1",
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "batchgen", *argv],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            start_new_session=True,
+        )
+        for rank in range(ranks)
+    ]
+
+    def forward(signum: int, frame: Any) -> None:
+        _signal_all(procs, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _wait_all(procs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _signal_all(procs, signal.SIGKILL)
+    code = procs[0].returncode
+    return 128 - code if code < 0 else code
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> None:
+    failed_at: float | None = None  # when a rank first exited with an error
+    termed_at: float | None = None  # when the others were sent SIGTERM
+    while any(p.poll() is None for p in procs):
+        codes, now = [p.returncode for p in procs], time.monotonic()
+        if termed_at is None:
+            if any(c for c in codes) and failed_at is None:
+                failed_at = now
+            killed = any(c is not None and c < 0 for c in codes)
+            if killed or (failed_at is not None and now - failed_at > GRACE_S):
+                _signal_all(procs, signal.SIGTERM)
+                termed_at = now
+        elif now - termed_at > GRACE_S:
+            _signal_all(procs, signal.SIGKILL)
+        time.sleep(POLL_S)
+
+
+def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                p.send_signal(signum)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

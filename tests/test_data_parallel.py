@@ -1,0 +1,235 @@
+"""Data-parallel jobs on the CPU (gloo): ranks as real processes, started by hand, by torchrun
+and by `batchgen run --gpus N`; every test waits for conditions, not clocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError
+from batchgen.distributed import Place, engine_config, place_from_env
+from batchgen.engine import Engine, EngineConfig
+from batchgen.io import OutputLayout
+from batchgen.io.checkpoint import DirectoryLock, RankLock
+from batchgen.job import run_job
+from batchgen.spec import load_spec
+from tests.helpers import stop_after
+
+ROWS = 40
+HEARTBEAT_S = 6  # runtime.heartbeat_timeout_s of these jobs
+SETS = (
+    "prompt.id_column='uid'",
+    "prompt.sampling_column='s'",  # even rows greedy, odd rows sampled (seeded by runtime.seed)
+    "sampling.max_new_tokens=12",
+    "output.shard_rows=3",
+    "runtime.max_num_seqs=2",
+    "runtime.num_kv_blocks=64",
+    "runtime.device='cpu'",
+    f"runtime.heartbeat_timeout_s={HEARTBEAT_S}",
+    "runtime.rank_timeout_s=120",  # no rank of a failed test waits long for the others
+)
+
+
+class Job(NamedTuple):
+    model: Path
+    input: Path
+    expected: dict[str, tuple[str, str]]  # id -> (text, finish_reason), from one process
+
+
+def sets_for(job: Job, out: Path, quiet: bool = True) -> list[str]:
+    return [
+        f"model.path={json.dumps(str(job.model))}",
+        f"input.path={json.dumps(str(job.input))}",
+        f"output.dir={json.dumps(str(out))}",
+        f"runtime.quiet={str(quiet).lower()}",
+        *SETS,
+    ]
+
+
+def command(job: Job, out: Path, *launcher: str, quiet: bool = True) -> list[str]:
+    """`batchgen run` for the job (launcher: e.g. torchrun and its options, before -m)."""
+    args = [a for s in sets_for(job, out, quiet) for a in ("--set", s)]
+    head = [*launcher, "-m"] if launcher else [sys.executable, "-m"]
+    return [*head, "batchgen", "run", *args]
+
+
+def results(out: Path) -> dict[str, tuple[str, str]]:
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == ROWS, "every row exactly once"
+    return {r["id"]: (r["text"], r["finish_reason"]) for r in rows}
+
+
+def shards_of(out: Path, rank: int) -> list[Path]:
+    return list((out / "shards").glob(f"part-*-r{rank}-*")) if (out / "shards").exists() else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture
+def started():
+    """Processes a test starts; any still running at its end are stopped (SIGTERM: torchrun
+    and `--gpus` pass it on to their ranks), killed if they do not stop."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def start(started: list[subprocess.Popen], cmd: list[str], **env: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        cmd, env=env or None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    started.append(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def job(model_dir, tmp_path_factory) -> Job:
+    """The job's input, and its texts when one process runs it."""
+    root = tmp_path_factory.mktemp("data-parallel")
+    inp = root / "in.jsonl"
+    rows = [
+        {
+            "uid": f"row-{i:03d}",
+            "prompt": f"Item {i}: describe it in a few words.",
+            "s": {"temperature": 0.9, "top_p": 0.95} if i % 2 else {"temperature": 0.0},
+        }
+        for i in range(ROWS)
+    ]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    partial = Job(model_dir("llama"), inp, {})
+    assert run_job(load_spec(None, sets_for(partial, root / "ref"))).complete
+    return partial._replace(expected=results(root / "ref"))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_other_and_one_process_finishes_exactly_once(
+    job, tmp_path, started
+):
+    """Two ranks started by hand (rank 0 hosts the store); SIGKILL rank 1 mid-run: rank 0
+    stops within the heartbeat timeout with one line naming rank 1; the job resumes alone
+    (2 -> 1) and every row comes out once, with the texts of a one-process run."""
+    out = tmp_path / "out"
+    base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    ranks = [
+        start(started, command(job, out), **base, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
+    while not shards_of(out, 1):
+        assert all(p.poll() is None for p in ranks), "both ranks run until one is killed"
+        assert time.monotonic() < deadline, "the ranks never committed"
+        time.sleep(0.02)
+    ranks[1].send_signal(signal.SIGKILL)
+    _, stderr = ranks[0].communicate(timeout=HEARTBEAT_S + 60)  # bounded: no hang
+    ranks[1].wait()
+    assert ranks[0].returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"batchgen: error: rank 1 stopped (no word from it for {HEARTBEAT_S}")
+    assert last.endswith("run the same command again to resume")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and not summary["complete"]
+    assert 0 < summary["rows_committed_total"] < ROWS
+
+    resumed = run_job(load_spec(None, sets_for(job, out)))  # the same job, alone
+    assert resumed.complete and resumed.summary.resumed
+    assert not list(out.rglob(".tmp-*"))
+    assert shards_of(out, 0) and shards_of(out, 1), "rows of both ranks (world 2) are kept"
+    assert results(out) == job.expected
+
+
+@pytest.mark.slow
+def test_one_process_then_three_ranks_under_torchrun(job, tmp_path, started):
+    """A job stopped alone resumes on three ranks (1 -> 3): each rank writes shards, rank 0's
+    bar and summary count every rank's rows, and the texts are the one-process run's."""
+    out = tmp_path / "out"
+    spec = load_spec(None, sets_for(job, out))
+    engine = stop_after(Engine(spec.model.path, spec.engine), outputs=10)
+    first = run_job(spec, engine=engine, stop=threading.Event())
+    assert first.interrupted and not first.complete
+    todo = ROWS - first.rows_committed
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = command(job, out, *torchrun, "--nproc-per-node", "3", quiet=False)
+    torchrun = start(started, cmd, **env())
+    stdout, stderr = torchrun.communicate(timeout=600)
+    assert torchrun.returncode == 0, stderr[-3000:]
+    assert all(shards_of(out, rank) for rank in range(3)), "every rank wrote its share"
+    summary = json.loads(stdout[stdout.index("{") :])  # rank 0's report alone
+    assert summary["complete"] and summary["resumed"] and summary["world_size"] == 3
+    assert summary["rows_ok"] == todo, "totals over the three ranks"
+    assert f"{todo}/{todo}" in stderr, "one bar, counting every rank's rows"
+    assert stdout.count('"world_size"') == 1, "the other ranks print no summary"
+    assert results(out) == job.expected
+
+
+@pytest.mark.slow
+def test_an_error_on_rank_0_stops_every_rank_with_the_same_line(job, tmp_path, started):
+    """Only rank 0 reads the output directory before the model loads; `--gpus 2` (the ranks
+    started by batchgen): both ranks exit 2 with rank 0's line, nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not a job")
+    launcher = start(started, [*command(job, out), "--gpus", "2"], **env())
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
+    assert len(lines) == 2 and lines[0] == lines[1], stderr
+    assert "is not empty and holds no batchgen job" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_rank_checks_that_the_lock_is_still_its_runs(tmp_path):
+    layout = OutputLayout(tmp_path / "out")
+    with DirectoryLock(layout) as lock:
+        RankLock(layout, lock.run).check()
+        with pytest.raises(BatchgenError, match="lost the lock"):
+            RankLock(layout, "another run").check()
+    with pytest.raises(BatchgenError, match="lost the lock"):
+        RankLock(layout, lock.run).check()  # released: the lock file is gone
+
+
+def test_the_place_comes_from_the_launchers_environment():
+    assert place_from_env({}) is None
+    place = place_from_env(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    )
+    assert place == Place(3, 4, 1, 2) and place.share.rank == 3
+    with pytest.raises(BatchgenError, match="not a valid place"):
+        place_from_env({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(BatchgenError, match="names no valid rank"):
+        place_from_env({"RANK": "x", "WORLD_SIZE": "4"})
+
+
+def test_a_rank_takes_its_share_of_the_cpu_and_no_pinned_gpu(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    config = engine_config(EngineConfig(device="cpu"), Place(1, 2, 1, 2))
+    assert config.device == "cpu" and config.cpu_threads == max(1, cores // 2 - 1)
+    with pytest.raises(BatchgenError, match="puts every rank of this machine on one GPU"):
+        engine_config(EngineConfig(device="cuda:0"), Place(1, 2, 1, 2))
