@@ -145,15 +145,28 @@ def main() -> None:
 @click.option(
     "--force-resume", is_flag=True, help="Resume an output directory whose job spec differs."
 )
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="Record every engine step into OUTPUT/profile/ (see them with `batchgen report`).",
+)
 @_guarded
 def run(
-    job: str | None, sets: tuple[str, ...], quiet: bool, force_resume: bool, **shortcuts: Any
+    job: str | None,
+    sets: tuple[str, ...],
+    quiet: bool,
+    force_resume: bool,
+    profile: bool,
+    **shortcuts: Any,
 ) -> None:
     """Run JOB (a TOML spec) or a job given by options; resumes where it stopped."""
     from batchgen.job import run_job
 
+    flags = (("runtime.quiet=true",) if quiet else ()) + (
+        ("runtime.profile=true",) if profile else ()
+    )
     try:
-        spec = _load(job, sets + (("runtime.quiet=true",) if quiet else ()), shortcuts)
+        spec = _load(job, sets + flags, shortcuts)
         stop = threading.Event()
         received: list[int] = []
         with _stop_on_signals(stop, received):
@@ -161,6 +174,11 @@ def run(
     except BatchgenError as exc:
         _fail(exc)
     click.echo(json.dumps(result.summary.to_dict(), indent=2))
+    if result.profile_file is not None:
+        click.echo(
+            f"batchgen: step records in {result.profile_file}: batchgen report {spec.output.dir}",
+            err=True,
+        )
     if not result.interrupted and not result.complete:
         committed = result.rows_committed
         click.echo(

@@ -53,6 +53,7 @@ IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs
 class JobResult(NamedTuple):
     summary: JobSummary  # what summary.json holds (for people and scripts)
     interrupted: bool
+    profile_file: str | None = None  # this run's step records (runtime.profile)
 
     @property
     def complete(self) -> bool:
@@ -204,7 +205,7 @@ def _run(
 
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
         on_row = _progress(bar, started, cache)
-        stats, producer = _run_pipeline(
+        stats, producer, profile = _run_pipeline(
             spec, source, engine, layout, done, columns, stop, hooks, on_row, lock
         )
     after = scan_committed(layout, _to_stderr)
@@ -230,7 +231,7 @@ def _run(
         startup_s=startup,
     )
     write_json_atomic(layout.summary, summary.to_dict())
-    return JobResult(summary, stop.is_set())
+    return JobResult(summary, stop.is_set(), None if profile is None else str(profile))
 
 
 def _previous(layout: OutputLayout, force: bool) -> Manifest | None:
@@ -331,7 +332,7 @@ def _run_pipeline(
     hooks: Hooks,
     on_row: Any,
     lock: DirectoryLock,
-) -> tuple[Stats, Producer]:
+) -> tuple[Stats, Producer, Path | None]:
     builder, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
     producer = Producer(
@@ -358,6 +359,9 @@ def _run_pipeline(
     )
     producer.start()
     consumer.start()
+    recorder = None
+    if spec.pipeline.profile:
+        recorder = _start_profile(engine, layout, writer.token, producer, consumer)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(spec.pipeline.switch_interval_ms / 1e3)
     try:
@@ -365,13 +369,36 @@ def _run_pipeline(
     finally:
         sys.setswitchinterval(switch)
         halt.set()
+        profile = _stop_profile(recorder)
         consumer.queue.put(None)
         wait_for(consumer)
     if producer.error is not None:
         raise producer.error
     if consumer.error is not None:
         raise _write_failed(consumer.error, layout)
-    return consumer.stats, producer
+    return consumer.stats, producer, profile
+
+
+def _start_profile(
+    engine: Engine, layout: OutputLayout, run: str, producer: Producer, consumer: Consumer
+) -> Any:
+    """A step recorder on the engine for this run (imported only when a job profiles)."""
+    from batchgen.profile.recorder import Gauges, StepRecorder
+
+    gauges = Gauges(producer.ready_rows, consumer.lag)
+    return StepRecorder(engine, layout.profile_steps(run), run, gauges).attach()
+
+
+def _stop_profile(recorder: Any) -> Path | None:
+    """Write the run's records -> their file; a failed write is a warning (the rows are
+    what the job is for)."""
+    if recorder is None:
+        return None
+    try:
+        return recorder.close()
+    except Exception as exc:
+        _to_stderr(f"the profile records could not be written ({type(exc).__name__}: {exc})")
+        return None
 
 
 def _write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
@@ -427,7 +454,7 @@ def _drive_engine(
                 yield NOT_READY
                 continue
             if row.error is not None:
-                consumer.queue.put((row, None))
+                consumer.hand(row, None)
                 continue
             request_id = str(row.index)
             in_flight[request_id] = row
@@ -438,7 +465,7 @@ def _drive_engine(
         prompts(), spec.sampling, decode=False, stop=_either(stop, consumer)
     ):
         row = in_flight.pop(out.request_id) if out.last else in_flight[out.request_id]
-        consumer.queue.put((row, out))
+        consumer.hand(row, out)
         if consumer.failed.is_set():
             break
 

@@ -53,6 +53,8 @@ class PipelineConfig:
     # Python's default 5 ms): shorter makes the engine thread wait less for the GIL after a
     # device sync but makes every thread switch more often (0.5 ms measured slower)
     switch_interval_ms: float = 5.0
+    # record every engine step into <output>/profile/ for `batchgen report` (changes no row)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:

@@ -63,10 +63,10 @@ def gap_cause(previous: StepRecord | None, record: StepRecord, on_gpu: bool) -> 
 
 def _waited_for(previous: StepRecord, record: StepRecord) -> bool:
     """The host blocked on `previous`'s tokens before it launched `record`."""
-    post, ready = previous.host_post_ms, previous.host_ready_ms
-    if post is None or ready is None:
+    post, ready, begin = previous.host_post_ms, previous.host_ready_ms, record.host_begin_ms
+    if post is None or ready is None or begin is None:
         return False
-    return post < record.host_begin_ms and ready - post >= SYNC_MIN_MS
+    return post < begin and ready - post >= SYNC_MIN_MS
 
 
 class Gap(NamedTuple):
@@ -111,11 +111,12 @@ class Attribution(NamedTuple):
 
 def busy(record: StepRecord, on_gpu: bool) -> tuple[float, float] | None:
     """The step's busy interval (see the module doc); None when unknown."""
-    if not on_gpu:
-        return record.host_begin_ms, record.host_end_ms
-    if record.gpu_start_ms is None or record.gpu_end_ms is None:
-        return None
-    return record.gpu_start_ms, record.gpu_end_ms
+    start, end = (
+        (record.gpu_start_ms, record.gpu_end_ms)
+        if on_gpu
+        else (record.host_begin_ms, record.host_end_ms)
+    )
+    return None if start is None or end is None else (start, end)
 
 
 def attribute(records: Sequence[StepRecord], info: RunInfo) -> Attribution:

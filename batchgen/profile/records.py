@@ -32,8 +32,9 @@ class StepRecord(NamedTuple):
 
     host_schedule_ms: float  # Engine.step() began scheduling
     host_prepare_ms: float  # scheduled: the runner builds the step's host metadata
-    host_begin_ms: float  # the device work starts being queued (the runner's step hook)
-    host_end_ms: float  # queued (on the CPU: block tables, forward pass and sampling done)
+    # the device work starts being queued (the runner's step hook); None if the launch failed
+    host_begin_ms: float | None
+    host_end_ms: float | None  # queued (on the CPU: block tables, forward pass and sampling done)
     host_post_ms: float | None = None  # post-processing of this step's tokens began
     host_ready_ms: float | None = None  # ... its tokens were on the host (the wait ended)
     host_done_ms: float | None = None  # ... post-processing ended
