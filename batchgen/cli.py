@@ -210,6 +210,25 @@ def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
 
+@main.command()
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="Folder for the timeline PNG and the trace (default: OUT_DIR/profile).",
+)
+@click.option("--run", "run_token", help="The run to report (default: the newest profiled one).")
+@click.option("--top", type=int, default=10, show_default=True, help="Largest gaps to list.")
+@_guarded
+def report(out_dir: str, out: str | None, run_token: str | None, top: int) -> None:
+    """Idle time per cause of a job run with --profile, its largest gaps, a timeline picture
+    and a Chrome trace."""
+    from batchgen.profile.report import write_report
+
+    result = write_report(Path(out_dir), None if out is None else Path(out), run_token, top)
+    click.echo(result.text)
+
+
 @main.group()
 def model() -> None:
     """The embedded default model."""
