@@ -121,10 +121,14 @@ def test_profiling_is_not_part_of_the_resume_identity(model_dir, tmp_path: Path)
     inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
     spec = spec_for(model_dir("llama"), inp, tmp_path / "out", *SETS)
     assert run_job(spec).complete
+    leftover = tmp_path / "out" / "profile" / ".tmp-1-steps-x.parquet"  # a killed flush's
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"partial")
     again = run_job(
         spec_for(model_dir("llama"), inp, tmp_path / "out", *SETS, "runtime.profile=true")
     )
     assert again.summary.resumed and again.summary.rows_ok == 0 and again.profile_file
+    assert not leftover.exists()  # removed with the other temporary files on resume
     assert "steps" in write_report(tmp_path / "out").text  # a run that launched nothing
 
 

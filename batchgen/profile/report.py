@@ -29,6 +29,12 @@ CPU_BUSY = (
 )
 
 
+GPU_BUSY = (
+    "Busy is each step's time between its CUDA events on the compute stream (block-table "
+    "update, forward pass, sampling); host and GPU clocks are aligned once, at the start."
+)
+
+
 class Report(NamedTuple):
     text: str  # the table, the largest gaps and where the files are
     info: RunInfo
@@ -92,8 +98,7 @@ def render(
     lines += _top_gaps(records, result.gaps, top)
     if result.unread:
         lines.append(f"{result.unread} steps have no device times (the run was killed)")
-    if not info.on_gpu:
-        lines.append(CPU_BUSY)
+    lines.append(GPU_BUSY if info.on_gpu else CPU_BUSY)
     return lines
 
 
