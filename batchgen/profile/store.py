@@ -71,22 +71,41 @@ def snapshot(arrays: Arrays) -> Arrays:
 
 
 def to_table(arrays: Arrays, info: RunInfo) -> pa.Table:
+    """Arrow columns over the arrays' buffers: no Python object per row, and no pa.array (its
+    first use in a process imports pandas, a quarter of a second holding the GIL that the
+    engine thread would feel while a flush runs)."""
     n = len(arrays[COLUMNS[0]])
-    data: dict[str, pa.Array] = {"step": pa.array(np.arange(n, dtype=np.int64))}
+    data: dict[str, pa.Array] = {"step": _arrow(np.arange(n, dtype=np.int64), pa.int64())}
     floats = {name: np.frombuffer(arrays[name], dtype=np.float64) for name in FLOATS}
     for name, values in floats.items():
-        data[name] = pa.array(values, mask=np.isnan(values))
+        data[name] = _arrow(values, pa.float64(), ~np.isnan(values))
     for name in INTS:
         values = np.frombuffer(arrays[name], dtype=np.int64)
-        data[name] = pa.array(values, mask=values < 0)
-    data["graphed"] = pa.array(np.frombuffer(arrays["graphed"], dtype=np.int8) != 0)
-    codes = np.frombuffer(arrays["blocked_by"], dtype=np.int8)
-    data["blocked_by"] = pa.array(np.array(BLOCKED_BY, dtype=object)[codes], type=pa.string())
+        data[name] = _arrow(values, pa.int64(), values >= 0)
+    graphed = np.packbits(np.frombuffer(arrays["graphed"], dtype=np.int8) != 0, bitorder="little")
+    data["graphed"] = pa.Array.from_buffers(pa.bool_(), n, [None, pa.py_buffer(graphed)])
+    codes = _arrow(np.frombuffer(arrays["blocked_by"], dtype=np.int8), pa.int8())
+    data["blocked_by"] = pa.DictionaryArray.from_arrays(codes, _strings(BLOCKED_BY))
     for name, (start, end) in DURATIONS.items():
         values = floats[end] - floats[start]
-        data[name] = pa.array(values, mask=np.isnan(values))
+        data[name] = _arrow(values, pa.float64(), ~np.isnan(values))
     table = pa.table(data)
     return table.replace_schema_metadata({META_KEY: json.dumps(info._asdict()).encode()})
+
+
+def _strings(values: tuple[str, ...]) -> pa.Array:
+    offsets = np.cumsum([0, *(len(v.encode()) for v in values)], dtype=np.int32)
+    data = pa.py_buffer("".join(values).encode())
+    return pa.Array.from_buffers(pa.string(), len(values), [None, pa.py_buffer(offsets), data])
+
+
+def _arrow(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
+    """An Arrow array over values' buffer; null where `valid` is False."""
+    if valid is None:
+        return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    nulls = len(values) - int(np.count_nonzero(valid))
+    return pa.Array.from_buffers(kind, len(values), [bitmap, pa.py_buffer(values)], nulls)
 
 
 def with_causes(table: pa.Table, info: RunInfo) -> pa.Table:
