@@ -14,7 +14,7 @@ from batchgen.engine import NOT_READY
 from batchgen.profile.attribution import attribute
 from batchgen.profile.recorder import StepRecorder
 from batchgen.profile.records import ADMISSION_BLOCKED, NO_DEMAND
-from batchgen.profile.store import read_records
+from batchgen.profile.store import COLUMNS, new_arrays, read_records, snapshot
 from tests.helpers import random_prompts
 
 
@@ -108,3 +108,14 @@ def test_preemptions_are_counted_on_the_step_that_made_them(model_dir, tmp_path:
         total = engine.scheduler.num_preemptions
     assert total > 0 and sum(r.preemptions for r in records) == total
     assert all(0 <= r.free_blocks <= 8 and r.running <= 4 for r in records)
+
+
+def test_a_snapshot_holds_only_complete_rows() -> None:
+    """The flusher copies on its own thread: a step half appended is left for the next one."""
+    arrays = new_arrays()
+    for name, values in arrays.items():
+        values.extend([1, 2] if name != COLUMNS[-1] else [1])  # row 1 is being appended
+    copy = snapshot(arrays)
+    assert {len(v) for v in copy.values()} == {1}
+    arrays[COLUMNS[0]].append(3)  # the live columns grow on; the copy does not
+    assert len(copy[COLUMNS[0]]) == 1

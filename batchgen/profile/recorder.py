@@ -9,9 +9,7 @@ gap's cause.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import queue
 import threading
 import time
 from collections import deque
@@ -71,7 +69,7 @@ class StepRecorder:
         self._preemptions = self.scheduler.num_preemptions
         self._evictions = engine.blocks.cache.num_evictions
         self._scheduled_at = 0.0
-        self._flusher = _Flusher(self.path)
+        self._flusher = _Flusher(self.path, self.arrays, lambda: self.info)
         self._previous_hook: Any = None
         self.clock = CudaClock(engine.device) if engine.device.type == "cuda" else None
         self.t0 = time.perf_counter()  # the run's start: host times count from here
@@ -145,7 +143,7 @@ class StepRecorder:
         self._idle = [0, 0, 0]
         if now >= self._next_flush:
             self._next_flush = now + FLUSH_EVERY_S
-            self._flusher.submit(snapshot(self.arrays), self.info)
+            self._flusher.request()
 
     def empty(self) -> None:
         s = self.scheduler
@@ -213,27 +211,32 @@ def blocked_by(s: Scheduler) -> str:
 
 
 class _Flusher(threading.Thread):
-    """Writes snapshots off the engine thread; one at a time (a snapshot that arrives while
-    one is being written replaces none: it is dropped, the next one comes soon)."""
+    """Copies and writes the records off the engine thread when asked (request() only sets an
+    event: the engine thread copies nothing); a request during a write is served after it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, arrays: dict, info: Callable[[], RunInfo]) -> None:
         super().__init__(name="batchgen-profile", daemon=True)
-        self.path = path
-        self.queue: queue.Queue[tuple[dict, RunInfo] | None] = queue.Queue(maxsize=1)
+        self.path, self.arrays, self.info = path, arrays, info
+        self.wanted = threading.Event()
+        self.stopping = False
         self.error: BaseException | None = None
         self.start()
 
-    def submit(self, arrays: dict, info: RunInfo) -> None:
-        with contextlib.suppress(queue.Full):
-            self.queue.put_nowait((arrays, info))
+    def request(self) -> None:
+        self.wanted.set()
 
     def run(self) -> None:
-        while (item := self.queue.get()) is not None:
+        while True:
+            self.wanted.wait()
+            self.wanted.clear()
+            if self.stopping:
+                return
             try:
-                write_table(self.path, to_table(*item))
+                write_table(self.path, to_table(snapshot(self.arrays), self.info()))
             except Exception as exc:  # the final write reports it; the job goes on
                 self.error = exc
 
     def stop(self) -> None:
-        self.queue.put(None)
+        self.stopping = True
+        self.wanted.set()
         self.join()

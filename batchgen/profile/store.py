@@ -66,8 +66,12 @@ def new_arrays() -> Arrays:
 
 
 def snapshot(arrays: Arrays) -> Arrays:
-    """A copy to encode elsewhere (the live arrays keep growing)."""
-    return {name: values[:] for name, values in arrays.items()}
+    """A copy of the complete rows, safe to take on another thread while the recorder appends:
+    a step appends to the columns in order and each slice is one copy under the GIL, so the
+    shortest column counts the rows every column holds (values filled in later by index are
+    taken as they are at that instant)."""
+    rows = min(len(values) for values in arrays.values())
+    return {name: values[:rows] for name, values in arrays.items()}
 
 
 def to_table(arrays: Arrays, info: RunInfo) -> pa.Table:
