@@ -151,6 +151,11 @@ def main() -> None:
     help="Start N ranks on this machine, one per GPU, that share the rows (without GPUs: N "
     "CPU processes). Under torchrun, leave it out.",
 )
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="Record every engine step into OUTPUT/profile/ (see them with `batchgen report`).",
+)
 @_guarded
 def run(
     job: str | None,
@@ -158,6 +163,7 @@ def run(
     quiet: bool,
     force_resume: bool,
     gpus: int | None,
+    profile: bool,
     **shortcuts: Any,
 ) -> None:
     """Run JOB (a TOML spec) or a job given by options; resumes where it stopped. Under
@@ -175,8 +181,11 @@ def run(
     if place is not None:  # before torch loads: its C++ warnings (a peer's closed socket,
         # with a stack) would bury the line that says which rank stopped; =WARNING shows them
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    flags = (("runtime.quiet=true",) if quiet else ()) + (
+        ("runtime.profile=true",) if profile else ()
+    )
     try:
-        spec = _load(job, sets + (("runtime.quiet=true",) if quiet else ()), shortcuts)
+        spec = _load(job, sets + flags, shortcuts)
         stop = threading.Event()
         received: list[int] = []
         with _stop_on_signals(stop, received, echo=lead):
@@ -194,6 +203,11 @@ def run(
         sys.exit(EXIT_INCOMPLETE)
     if not lead:
         sys.exit(_exit_code(result, received))
+    if result.profile_file is not None:
+        click.echo(
+            f"batchgen: step records in {result.profile_file}: batchgen report {spec.output.dir}",
+            err=True,
+        )
     if not result.interrupted and not result.complete:
         committed = result.rows_committed
         click.echo(
@@ -246,6 +260,25 @@ def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     source = check_job(spec)
     click.echo(json.dumps(spec.to_dict(), indent=2))
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="Folder for the timeline PNG and the trace (default: OUT_DIR/profile).",
+)
+@click.option("--run", "run_token", help="The run to report (default: the newest profiled one).")
+@click.option("--top", type=int, default=10, show_default=True, help="Largest gaps to list.")
+@_guarded
+def report(out_dir: str, out: str | None, run_token: str | None, top: int) -> None:
+    """Idle time per cause of a job run with --profile, its largest gaps, a timeline picture
+    and a Chrome trace."""
+    from batchgen.profile.report import write_report
+
+    result = write_report(Path(out_dir), None if out is None else Path(out), run_token, top)
+    click.echo(result.text)
 
 
 @main.group()

@@ -115,7 +115,7 @@ def _generate(
     failure, error, read_all, rows_read = None, None, False, 0
     try:
         check = lock.check if lock is not None else RankLock(layout, plan.run).check
-        stats, producer = run_pipeline(
+        stats, producer, _profile = run_pipeline(
             spec,
             source,
             ready.engine,

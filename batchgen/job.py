@@ -55,6 +55,7 @@ class JobResult(NamedTuple):
     summary: JobSummary  # what summary.json holds (for people and scripts)
     interrupted: bool  # this process was asked to stop (a signal)
     stopped_by: str | None = None  # another rank of a data-parallel job stopped it: why
+    profile_file: str | None = None  # this run's step records (runtime.profile)
 
     @property
     def complete(self) -> bool:
@@ -206,7 +207,7 @@ def _run(
 
     with tqdm(total=total, unit="row", disable=spec.pipeline.quiet, dynamic_ncols=True) as bar:
         on_row = _progress(bar, started, cache)
-        stats, producer = run_pipeline(
+        stats, producer, profile = run_pipeline(
             spec, source, engine, layout, done, columns, stop, hooks, on_row, lock.check
         )
     after = scan_committed(layout, _to_stderr)
@@ -232,7 +233,7 @@ def _run(
         startup_s=startup,
     )
     write_json_atomic(layout.summary, summary.to_dict())
-    return JobResult(summary, stop.is_set())
+    return JobResult(summary, stop.is_set(), profile_file=None if profile is None else str(profile))
 
 
 def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:
@@ -334,8 +335,9 @@ def run_pipeline(
     on_row: Any,
     before_commit: Callable[[], None],
     share: RowShare = ALONE,
-) -> tuple[Stats, Producer]:
-    """Generate this process's share of the rows not in `done` into committed shards.
+) -> tuple[Stats, Producer, Path | None]:
+    """Generate this process's share of the rows not in `done` into committed shards
+    -> (counts, the producer, the step records' file when the job profiles).
     before_commit: raises when no shard may be written (the directory's lock is lost)."""
     builder, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
@@ -370,6 +372,9 @@ def run_pipeline(
     )
     producer.start()
     consumer.start()
+    recorder = None
+    if spec.pipeline.profile:
+        recorder = _start_profile(engine, layout, writer.token, producer, consumer)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(spec.pipeline.switch_interval_ms / 1e3)
     try:
@@ -377,13 +382,36 @@ def run_pipeline(
     finally:
         sys.setswitchinterval(switch)
         halt.set()
+        profile = _stop_profile(recorder)
         consumer.queue.put(None)
         wait_for(consumer)
     if producer.error is not None:
         raise producer.error
     if consumer.error is not None:
         raise _write_failed(consumer.error, layout)
-    return consumer.stats, producer
+    return consumer.stats, producer, profile
+
+
+def _start_profile(
+    engine: Engine, layout: OutputLayout, run: str, producer: Producer, consumer: Consumer
+) -> Any:
+    """A step recorder on the engine for this run (imported only when a job profiles)."""
+    from batchgen.profile.recorder import Gauges, StepRecorder
+
+    gauges = Gauges(producer.ready_rows, consumer.lag)
+    return StepRecorder(engine, layout.profile_steps(run), run, gauges).attach()
+
+
+def _stop_profile(recorder: Any) -> Path | None:
+    """Write the run's records -> their file; a failed write is a warning (the rows are
+    what the job is for)."""
+    if recorder is None:
+        return None
+    try:
+        return recorder.close()
+    except Exception as exc:
+        _to_stderr(f"the profile records could not be written ({type(exc).__name__}: {exc})")
+        return None
 
 
 def _write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
@@ -439,7 +467,7 @@ def _drive_engine(
                 yield NOT_READY
                 continue
             if row.error is not None:
-                consumer.queue.put((row, None))
+                consumer.hand(row, None)
                 continue
             request_id = str(row.index)
             in_flight[request_id] = row
@@ -450,7 +478,7 @@ def _drive_engine(
         prompts(), spec.sampling, decode=False, stop=_either(stop, consumer)
     ):
         row = in_flight.pop(out.request_id) if out.last else in_flight[out.request_id]
-        consumer.queue.put((row, out))
+        consumer.hand(row, out)
         if consumer.failed.is_set():
             break
 

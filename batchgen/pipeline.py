@@ -71,6 +71,10 @@ class Producer(threading.Thread):
         self._current: Future[list[RowPrompt]] | None = None  # the engine thread's side
         self._ready: collections.deque[RowPrompt] = collections.deque()
         self._ended = False
+        # ready_rows() = prepared - taken: rows tokenized and not yet given to the engine
+        self._prepared = 0  # written by the tokenizer threads, under _count_lock
+        self._taken = 0  # written by the engine thread
+        self._count_lock = threading.Lock()
 
     def run(self) -> None:
         try:
@@ -110,7 +114,12 @@ class Producer(threading.Thread):
                 return NOT_READY
             self._current = None
             self._ready.extend(rows)
+        self._taken += 1
         return self._ready.popleft()
+
+    def ready_rows(self) -> int:
+        """Rows tokenized ahead and waiting for the engine (the tokenizer queue's depth)."""
+        return self._prepared - self._taken
 
     def _check(self, row: RawRow) -> tuple[bool, str | None]:
         """Count the row and its id -> (not yet committed and this rank's, the id if an
@@ -145,6 +154,8 @@ class Producer(threading.Thread):
                     prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
                 )
             out.append(prepared)
+        with self._count_lock:
+            self._prepared += len(out)
         return out
 
     def _put(self, item: Future[list[RowPrompt]] | None) -> bool:
@@ -192,6 +203,16 @@ class Consumer(threading.Thread):
         self.stats = Stats()
         self.error: BaseException | None = None
         self.failed = threading.Event()
+        self.handed = 0  # items given to hand() (the engine thread's count)
+
+    def hand(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
+        """Queue a finished sample (or an error row: out None): one output row each."""
+        self.handed += 1
+        self.queue.put((prompt, out))
+
+    def lag(self) -> int:
+        """Rows handed to the writer and not yet committed in a shard."""
+        return self.handed - self.writer.rows_committed
 
     def run(self) -> None:
         try:

@@ -59,6 +59,8 @@ class PipelineConfig:
     # ... and how long a rank may go unheard while the job runs before the others take it as
     # stopped (dead or hung) and stop too
     heartbeat_timeout_s: float = 60.0
+    # record every engine step into <output>/profile/ for `batchgen report` (changes no row)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:

@@ -33,6 +33,7 @@ from batchgen.engine.request import Prompt, Request, RequestOutput, Status, Toke
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
+from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.stop_strings import StopWatcher
 from batchgen.engine.transfer import StepOutput, wait_tokens
 from batchgen.models import batchgen_home
@@ -116,6 +117,7 @@ class Engine:
         self._live: dict[str, int] = {}  # request id -> samples still running
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
+        self.profiler: StepProfiler | None = None  # told of every step (batchgen/profile)
         if self.config.check_model:
             check_model(self)  # a model batchgen would run wrongly is refused here
             self.blocks.clear_cache()  # the probe's prompts are not the caller's
@@ -163,6 +165,8 @@ class Engine:
                 if not self.has_unfinished():
                     if exhausted:
                         return
+                    if self.profiler is not None:
+                        self.profiler.empty()
                     continue  # nothing to run: ask the source again (it may wait meanwhile)
                 stopping = stop is not None and stop.is_set()
                 for out in self.drain() if stopping else self.step():
@@ -207,7 +211,14 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> launch -> post-process (step N-1's when overlapped)."""
+        profiler = self.profiler
+        if profiler is not None:
+            profiler.schedule_begin()
         batch = self.scheduler.schedule()
+        if profiler is not None and batch.chunks:
+            profiler.scheduled(batch)
+        elif profiler is not None:
+            profiler.empty()
         try:
             launched = (batch, self.runner.launch(batch)) if batch.chunks else None
         except BaseException:
@@ -260,6 +271,8 @@ class Engine:
         """Drop every queued and running request (a caller stopped consuming results)."""
         if self._in_flight is not None:
             wait_tokens(self._in_flight[1])
+            if self.profiler is not None:
+                self.profiler.drop_in_flight()
             for chunk in self._in_flight[0].chunks:
                 chunk.request.num_pending -= chunk.samples
             self._in_flight = None
@@ -275,7 +288,12 @@ class Engine:
     # -- internals ---------------------------------------------------------------------------
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[RequestOutput]:
+        profiler = self.profiler
+        if profiler is not None:
+            profiler.post_begin()
         tokens = wait_tokens(out)
+        if profiler is not None:
+            profiler.post_ready()
         now = time.perf_counter()
         finished = []
         sampled = [c.request for c in batch.chunks if c.samples]
@@ -301,6 +319,8 @@ class Engine:
                     self._held.add(request)
             elif reason is not None:
                 finished.append(self._finish(request, reason))
+        if profiler is not None:
+            profiler.post_end()
         return finished
 
     def _apply_verdicts(self, wait: float) -> list[RequestOutput]:

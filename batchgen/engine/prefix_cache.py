@@ -59,6 +59,7 @@ class PrefixCache:
         self._block: dict[BlockHash, int] = {}
         self._hash: dict[int, BlockHash] = {}
         self._pool: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0  # blocks evicted so far (a profile counts them per step)
 
     @property
     def num_pooled(self) -> int:
@@ -106,6 +107,7 @@ class PrefixCache:
         """Take the least recently used pooled block out of the cache; -> the block."""
         block, _ = self._pool.popitem(last=False)
         del self._block[self._hash.pop(block)]
+        self.num_evictions += 1
         return block
 
     def clear(self) -> list[int]:

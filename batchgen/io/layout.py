@@ -7,6 +7,9 @@
 <dir>/summary.json        counts and throughput of the last run
 <dir>/results.<ext>       every committed row in input order (when the job completes)
 <dir>/errors.jsonl        OpenAI Batch error lines (openai-batch input only)
+<dir>/profile/steps-<run>.parquet     per-step records of a run with --profile (never read
+                          by resuming: outside shards/)
+<dir>/profile/timeline-<run>.png, trace-<run>.json    `batchgen report`'s picture and trace
 .tmp-*                    a file being written atomically (never read; removed on resume)
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 OUTPUT_FORMATS = ("parquet", "jsonl")
 TEMP_PREFIX = ".tmp-"
 SHARD_PREFIX = "part-"
+PROFILE_PREFIX = "steps-"
 _ROWS = re.compile(r"-n(\d+)\.[a-z]+$")
 
 
@@ -55,6 +59,26 @@ class OutputLayout:
     def damaged(self) -> Path:
         return self.dir / "damaged"
 
+    @property
+    def profile(self) -> Path:
+        return self.dir / "profile"
+
+    def profile_steps(self, run_token: str) -> Path:
+        return self.profile / f"{PROFILE_PREFIX}{run_token}.parquet"
+
+    def profile_runs(self) -> list[str]:
+        """Run tokens with profile records, oldest first."""
+        files = sorted(self.profile.glob(f"{PROFILE_PREFIX}*.parquet"))
+        return [p.name.removeprefix(PROFILE_PREFIX).removesuffix(".parquet") for p in files]
+
+    @staticmethod
+    def profile_timeline(folder: Path, run_token: str) -> Path:
+        return folder / f"timeline-{run_token}.png"
+
+    @staticmethod
+    def profile_trace(folder: Path, run_token: str) -> Path:
+        return folder / f"trace-{run_token}.json"
+
     def results(self, format: str) -> Path:
         return self.dir / f"results.{format}"
 
@@ -81,7 +105,8 @@ class OutputLayout:
         return sorted(p for ext in exts for p in self.shards.glob(f"{SHARD_PREFIX}*.{ext}"))
 
     def temp_files(self) -> list[Path]:
-        return [*self.dir.glob(f"{TEMP_PREFIX}*"), *self.shards.glob(f"{TEMP_PREFIX}*")]
+        folders = (self.dir, self.shards, self.profile)
+        return [p for folder in folders for p in folder.glob(f"{TEMP_PREFIX}*")]
 
     def holds_anything_but_leftovers(self) -> bool:
         """True when the folder holds files other than temp files and a lock."""

@@ -77,6 +77,7 @@ class ShardWriter:
         self.token = f"{time.strftime('%Y%m%dT%H%M%S')}-{where}-{secrets.token_hex(3)}"
         self._seq = 0
         self._rows: list[Row] = []
+        self.rows_committed = 0  # rows in the shards this writer committed
         self._first_row_at = 0.0  # time.monotonic() of the buffer's first row
 
     def add_group(self, rows: list[Row]) -> None:
@@ -107,6 +108,7 @@ class ShardWriter:
         encode = encode_parquet if self.format == "parquet" else encode_jsonl
         write_atomic(path, partial(encode, self._rows, self.columns))
         count = len(self._rows)
+        self.rows_committed += count
         self._seq += 1
         self._rows = []  # cleared only once the shard is durable: a failed commit can retry
         return count
