@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Profiled jobs on one GPU (8b shape, random weights, the job-path benchmark's 32k tokenizer):
+# W1 with and without --profile (the recorder's cost), a short-output job with many
+# admissions, and W1 with a deliberately small KV cache; `batchgen report` on each.
+#   bash benchmarks/profile_check.sh        (reports and pictures go to $OUT or /tmp/out)
+set -u
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 BATCHGEN_HOME=${BATCHGEN_HOME:-/tmp/batchgen-home}
+work=${WORK:-/tmp/batchgen-profile}; OUT=${OUT:-/tmp/out}
+mkdir -p "$work" "$OUT"
+python3 - "$work" <<'PY'
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.bench import job_path
+from batchgen.bench.workloads import SHAPES, WORKLOADS
+from batchgen.models.tiny import batchgen_home
+
+work = Path(sys.argv[1])
+tokenizer = job_path.bench_tokenizer(batchgen_home())
+folder = work / "model-8b"
+if not (folder / "config.json").is_file():
+    model = job_path.build_model(SHAPES["8b"], tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+w1 = job_path.text_prompts(tokenizer, 256, WORKLOADS["W1"].prompt_range)
+pq.write_table(pa.table({"prompt": w1}), work / "w1.parquet")
+short = job_path.text_prompts(tokenizer, 4096, WORKLOADS["W1"].prompt_range, seed=1)
+pq.write_table(pa.table({"prompt": short}), work / "short.parquet")
+PY
+job() {  # name input new-tokens extra-args...
+  local name=$1 input=$2 tokens=$3; shift 3
+  rm -rf "$work/out-$name"
+  python3 -m batchgen run --model "$work/model-8b" --input "$work/$input" --output "$work/out-$name" \
+    --max-new-tokens "$tokens" --set sampling.ignore_eos=true --quiet "$@" > "$work/summary-$name.json"
+  python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], 'gen tok/s', s['generated_tokens_per_s'], 'wall_s', s['wall_s'], 'complete', s['complete'])" "$work/summary-$name.json" "$name"
+}
+job w1-plain w1.parquet 256
+job w1 w1.parquet 256 --profile
+job short short.parquet 16 --profile
+job small-kv w1.parquet 256 --profile --set runtime.num_kv_blocks=1200
+for name in w1 short small-kv; do
+  echo "== batchgen report ($name)"
+  python3 -m batchgen report "$work/out-$name" --out "$OUT/profile-$name" | tee "$OUT/report-$name.txt"
+done
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile_device_clock.py 2>&1 | tail -2
