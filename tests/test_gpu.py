@@ -340,3 +340,19 @@ def test_family_bf16_logprobs_match_hf_within_bf16_noise(family_dir_gpu, family:
     worst = max(_difference(engine, p, outs[p.request_id]) for p in prompts)
     engine.close()
     assert worst < 0.1, (family, worst)
+
+
+def test_a_refused_model_leaves_no_device_memory(model_dir) -> None:
+    """Random weights this wide give bf16 log-probabilities the start-up probe rejects; the
+    engine that refuses them frees its KV cache and graphs before the error reaches the caller,
+    so a second attempt is refused the same way instead of running out of memory."""
+    path = model_dir(
+        "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(2):
+        with pytest.raises(BatchgenError, match="cannot run llama models exactly"):
+            Engine(path, EngineConfig(device="cuda"))
+        assert torch.cuda.memory_allocated() - before < 2**28

@@ -82,10 +82,19 @@ def test_a_profiled_gpu_job_has_event_times_and_synchronization(model_dir, tmp_p
 
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Item {i} and more."} for i in range(16)])
     causes = {}
+    # big enough that a step's device time exceeds the host's launch of it (graph replay): the
+    # synchronous loop then blocks on every step's tokens (float32: this random model's
+    # logits are large enough that bf16 differs from its own forward by more than the probe
+    # accepts)
+    model = model_dir(
+        "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
     for overlap in ("true", "false"):
         out = tmp_path / f"out-{overlap}"
         spec = spec_for(
-            model_dir("llama"), inp, out, "runtime.device='cuda'", "runtime.profile=true",
+            model, inp, out, "runtime.device='cuda'", "runtime.dtype='float32'",
+            "runtime.profile=true",
             "runtime.num_kv_blocks=512", "sampling.max_new_tokens=24", "sampling.ignore_eos=true",
             f"runtime.overlap={overlap}",
         )  # fmt: skip

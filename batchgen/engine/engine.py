@@ -119,7 +119,11 @@ class Engine:
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         self.profiler: StepProfiler | None = None  # told of every step (batchgen/profile)
         if self.config.check_model:
-            check_model(self)  # a model batchgen would run wrongly is refused here
+            try:
+                check_model(self)  # a model batchgen would run wrongly is refused here
+            except BaseException:
+                self.close()  # the KV cache and graphs go now, not when the error is dropped
+                raise
             self.blocks.clear_cache()  # the probe's prompts are not the caller's
             self.scheduler.cache_stats = CacheStats()
             clock.mark("model_check")
