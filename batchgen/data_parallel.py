@@ -35,6 +35,7 @@ from batchgen.job import (
     JobResult,
     job_columns,
     run_pipeline,
+    show_rates,
     write_results,
 )
 from batchgen.pipeline import Stats
@@ -242,15 +243,9 @@ def _progress(bar: tqdm, started: float) -> Callable[[list[Progress]], None]:
 
     def on_beat(progress: list[Progress]) -> None:
         done = total(progress)
-        elapsed = max(time.perf_counter() - started, 1e-9)
         hit = done.cached_prompt_tokens / max(done.admitted_prompt_tokens, 1)
-        bar.set_postfix(
-            prompt_tok_s=f"{done.prompt_tokens / elapsed:,.0f}",
-            gen_tok_s=f"{done.generated_tokens / elapsed:,.0f}",
-            cache_hit=f"{hit:.0%}",
-            errors=done.rows_error,
-            refresh=False,
-        )
+        elapsed = time.perf_counter() - started
+        show_rates(bar, elapsed, done.prompt_tokens, done.generated_tokens, done.rows_error, hit)
         bar.update(done.rows - bar.n)
 
     return on_beat

@@ -504,16 +504,24 @@ def _progress(bar: tqdm, started: float, cache: Callable[[], CacheStats]) -> Any
         now = time.perf_counter()
         if now - last[0] > 0.5:
             last[0] = now
-            elapsed = max(now - started, 1e-9)
-            bar.set_postfix(
-                prompt_tok_s=f"{stats.prompt_tokens / elapsed:,.0f}",
-                gen_tok_s=f"{stats.generated_tokens / elapsed:,.0f}",
-                cache_hit=f"{cache().hit_rate:.0%}",
-                errors=stats.rows_error,
-                refresh=False,
-            )
+            show_rates(bar, now - started, stats.prompt_tokens, stats.generated_tokens,
+                       stats.rows_error, cache().hit_rate)  # fmt: skip
 
     return on_row
+
+
+def show_rates(
+    bar: tqdm, elapsed: float, prompt_tokens: int, generated_tokens: int, errors: int, hit: float
+) -> None:
+    """The progress bar's postfix: token rates, prefix cache hits, error rows."""
+    elapsed = max(elapsed, 1e-9)
+    bar.set_postfix(
+        prompt_tok_s=f"{prompt_tokens / elapsed:,.0f}",
+        gen_tok_s=f"{generated_tokens / elapsed:,.0f}",
+        cache_hit=f"{hit:.0%}",
+        errors=errors,
+        refresh=False,
+    )
 
 
 def write_results(spec: JobSpec, layout: OutputLayout) -> FinalFiles:

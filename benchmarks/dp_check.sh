@@ -7,27 +7,7 @@ rows=${1:-1024}
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 BATCHGEN_HOME=${BATCHGEN_HOME:-/tmp/batchgen-home}
 work=${WORK:-/tmp/batchgen-dp}
 mkdir -p "$work"
-python3 - "$rows" "$work" <<'PY'
-import sys
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from batchgen.bench import job_path
-from batchgen.bench.workloads import SHAPES, WORKLOADS
-from batchgen.models.tiny import batchgen_home
-
-rows, work = int(sys.argv[1]), Path(sys.argv[2])
-tokenizer = job_path.bench_tokenizer(batchgen_home())
-folder = work / "model-8b"
-if not (folder / "config.json").is_file():
-    model = job_path.build_model(SHAPES["8b"], tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-texts = job_path.text_prompts(tokenizer, rows, WORKLOADS["W1"].prompt_range)
-pq.write_table(pa.table({"prompt": texts}), work / "prompts.parquet")
-PY
+python3 -m batchgen.bench.job_path 8b "$work" prompts="$rows"
 args=(--model "$work/model-8b" --input "$work/prompts.parquet" --max-new-tokens 256
       --set sampling.ignore_eos=true --quiet)
 report() {  # summary.json -> one line

@@ -7,29 +7,7 @@ set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 BATCHGEN_HOME=${BATCHGEN_HOME:-/tmp/batchgen-home}
 work=${WORK:-/tmp/batchgen-profile}; OUT=${OUT:-/tmp/out}
 mkdir -p "$work" "$OUT"
-python3 - "$work" <<'PY'
-import sys
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from batchgen.bench import job_path
-from batchgen.bench.workloads import SHAPES, WORKLOADS
-from batchgen.models.tiny import batchgen_home
-
-work = Path(sys.argv[1])
-tokenizer = job_path.bench_tokenizer(batchgen_home())
-folder = work / "model-8b"
-if not (folder / "config.json").is_file():
-    model = job_path.build_model(SHAPES["8b"], tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-w1 = job_path.text_prompts(tokenizer, 256, WORKLOADS["W1"].prompt_range)
-pq.write_table(pa.table({"prompt": w1}), work / "w1.parquet")
-short = job_path.text_prompts(tokenizer, 4096, WORKLOADS["W1"].prompt_range, seed=1)
-pq.write_table(pa.table({"prompt": short}), work / "short.parquet")
-PY
+python3 -m batchgen.bench.job_path 8b "$work" w1=256 short=4096:1
 job() {  # name input new-tokens extra-args...
   local name=$1 input=$2 tokens=$3; shift 3
   rm -rf "$work/out-$name"

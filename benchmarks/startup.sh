@@ -8,28 +8,7 @@ shape=${1:-1b}
 export PYTHONPATH=${PYTHONPATH:-$PWD} BATCHGEN_HOME=${BATCHGEN_HOME:-/tmp/batchgen-home}
 work=${WORK:-/tmp/batchgen-startup}
 mkdir -p "$work"
-python3 - "$shape" "$work" <<'PY'
-import sys
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from batchgen.bench import job_path
-from batchgen.bench.workloads import SHAPES
-from batchgen.models.tiny import batchgen_home
-
-shape, work = sys.argv[1], Path(sys.argv[2])
-folder = work / f"model-{shape}"
-tokenizer = job_path.bench_tokenizer(batchgen_home())
-if not (folder / "config.json").is_file():
-    model = job_path.build_model(SHAPES[shape], tokenizer)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-texts = job_path.text_prompts(tokenizer, 256, (128, 512))
-pq.write_table(pa.table({"prompt": texts}), work / "prompts.parquet")
-PY
+python3 -m batchgen.bench.job_path "$shape" "$work" prompts=256
 rm -rf "$BATCHGEN_HOME/triton"
 for run in cold warm; do
   rm -rf "$work/out-$run"

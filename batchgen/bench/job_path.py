@@ -15,7 +15,6 @@ import random
 import sysconfig
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -124,7 +123,7 @@ def run_paths(
 
     tokenizer = bench_tokenizer(batchgen_home())
     texts = text_prompts(tokenizer, rows, lengths)
-    engine = Engine(build_model(shape, tokenizer), replace(config), tokenizer=tokenizer)
+    engine = Engine(build_model(shape, tokenizer), config, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ids = [tokenizer(t).input_ids for t in texts]
     list(engine.generate(ids[:64], params.replace(max_new_tokens=8), decode=False))  # warm-up
@@ -210,3 +209,45 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
             f"| {r.tail_s:.3f} |"
         )
     return "\n".join(lines)
+
+
+def write_model_folder(shape: str, folder: Path) -> Path:
+    """A saved random-weight model of the shape with the 32k tokenizer (kept if it exists)."""
+    from batchgen.bench.workloads import SHAPES
+    from batchgen.models.tiny import batchgen_home
+
+    if not (folder / "config.json").is_file():
+        tokenizer = bench_tokenizer(batchgen_home())
+        model = build_model(SHAPES[shape], tokenizer)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_prompts(path: Path, rows: int, seed: int = 0) -> None:
+    """rows text prompts of W1's lengths as a Parquet file with a `prompt` column."""
+    from batchgen.bench.workloads import WORKLOADS
+    from batchgen.models.tiny import batchgen_home
+
+    tokenizer = bench_tokenizer(batchgen_home())
+    texts = text_prompts(tokenizer, rows, WORKLOADS["W1"].prompt_range, seed)
+    pq.write_table(pa.table({"prompt": texts}), path)
+
+
+def main(argv: list[str]) -> None:
+    """python -m batchgen.bench.job_path SHAPE WORK [NAME=ROWS[:SEED] ...]: WORK/model-SHAPE
+    and WORK/NAME.parquet for the benchmark scripts."""
+    shape, work = argv[0], Path(argv[1])
+    work.mkdir(parents=True, exist_ok=True)
+    write_model_folder(shape, work / f"model-{shape}")
+    for item in argv[2:]:
+        name, _, count = item.partition("=")
+        rows, _, seed = count.partition(":")
+        write_prompts(work / f"{name}.parquet", int(rows), int(seed or 0))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

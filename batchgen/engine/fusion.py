@@ -18,7 +18,6 @@ unchanged.
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,10 +37,9 @@ FUSED_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
     "Qwen2Attention": lambda m: getattr(m, "sliding_window", None),
     "Qwen3Attention": lambda m: getattr(m, "sliding_window", None),
 }
-# merged projection weights and biases, by the module that uses them
-_MERGED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] = (
-    weakref.WeakKeyDictionary()
-)
+
+
+Merged = tuple[torch.Tensor, torch.Tensor | None]  # one weight (and bias) for several Linears
 
 
 class Fusion:
@@ -51,6 +49,8 @@ class Fusion:
         self.model = model
         self.rope = RopeCheck(sys.modules.get(type(model).__module__))
         self.modules: list[nn.Module] = []
+        # merged projections by the module that uses them (kept when off() and on() again)
+        self._merged: dict[nn.Module, Merged | None] = {}
 
     def on(self) -> None:
         from batchgen.engine.kernels import fused_ops
@@ -70,7 +70,7 @@ class Fusion:
         if name in FUSED_NORMS and hasattr(module, "variance_epsilon"):
             return _norm_forward(module, ops.rms_norm)
         if name in FUSED_MLPS and type(getattr(module, "act_fn", None)).__name__ in SILU:
-            merged = _merged(module, ("gate_proj", "up_proj"))
+            merged = self._merge(module, ("gate_proj", "up_proj"))
             return _mlp_forward(module, ops, merged)
         if (
             name in FUSED_ATTENTION
@@ -78,18 +78,19 @@ class Fusion:
             and all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             and isinstance(getattr(module, "head_dim", None), int)
         ):
-            merged = _merged(module, ("q_proj", "k_proj", "v_proj"))
+            merged = self._merge(module, ("q_proj", "k_proj", "v_proj"))
             return _attention_forward(module, self.rope, merged, FUSED_ATTENTION[name](module))
         return None
 
+    def _merge(self, module: nn.Module, names: tuple[str, ...]) -> Merged | None:
+        if module not in self._merged:
+            self._merged[module] = _merged(module, names)
+        return self._merged[module]
 
-def _merged(
-    module: nn.Module, names: tuple[str, ...]
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+
+def _merged(module: nn.Module, names: tuple[str, ...]) -> Merged | None:
     """One [sum(out), in] weight (and bias) for the Linear children `names`; each child's
     parameters become views of it. None where they cannot be merged."""
-    if module in _MERGED:
-        return _MERGED[module]
     linears = [getattr(module, n) for n in names]
     if not all(type(x) is nn.Linear for x in linears):
         return None
@@ -109,7 +110,6 @@ def _merged(
             if bias is not None:
                 x.bias.data = bias[start : start + rows]
             start += rows
-    _MERGED[module] = (weight, bias)
     return weight, bias
 
 
@@ -120,9 +120,7 @@ def _norm_forward(module: nn.Module, kernel: Any) -> Callable[..., torch.Tensor]
     return forward
 
 
-def _mlp_forward(
-    module: nn.Module, ops: Any, merged: tuple[torch.Tensor, torch.Tensor | None] | None
-) -> Callable[..., torch.Tensor]:
+def _mlp_forward(module: nn.Module, ops: Any, merged: Merged | None) -> Callable[..., torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if merged is None:
             return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
@@ -134,7 +132,7 @@ def _mlp_forward(
 def _attention_forward(
     module: nn.Module,
     rope: RopeCheck,
-    merged: tuple[torch.Tensor, torch.Tensor | None] | None,
+    merged: Merged | None,
     window: int | None,
 ) -> Callable[..., tuple[torch.Tensor, Any]]:
     head_dim = module.head_dim

@@ -66,10 +66,6 @@ class Request:
         return request_constants(self.params)
 
     @property
-    def banned_before_min_tokens(self) -> frozenset[int]:
-        return self.ending_ids
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

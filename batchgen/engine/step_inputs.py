@@ -200,7 +200,7 @@ def _add_penalty_state(L: _Lists, r: Request) -> None:
 def _add_sample(L: _Lists, r: Request, row_token: int, position: int) -> None:
     if position - r.num_prompt_tokens < r.params.min_new_tokens:  # outputs before this one
         row = len(L.samples)
-        for token in r.banned_before_min_tokens:
+        for token in r.ending_ids:
             L.bans.extend((row, token))
     L.sample_idx.append(row_token)
     L.samples.append((r.slot, r.rng_key, position))

@@ -74,6 +74,8 @@ class StopWatcher:
 
     def verdicts(self, wait: float = 0.0) -> list[Verdict]:
         """The answers so far (waiting up to `wait` seconds for the first one)."""
+        if self._thread is None:
+            return []  # nothing was ever fed
         out = []
         try:
             out.append(self._outbox.get(timeout=wait) if wait > 0 else self._outbox.get_nowait())
