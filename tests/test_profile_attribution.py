@@ -6,6 +6,7 @@ import pytest
 
 from batchgen.profile.attribution import (
     SYNC_MIN_MS,
+    Recompute,
     Stretch,
     attribute,
     busy,
@@ -129,5 +130,19 @@ def test_prefill_interference_is_busy_time_above_decode_only_steps() -> None:
     prefill_only = rec(5, 60.0, 70.0, prefill_tokens=500)  # stretches no decode
     faster = rec(6, 80.0, 81.0, decode_tokens=4, prefill_tokens=1)
     records = [*decodes, mixed, nearest, prefill_only, faster]
-    assert interference(records, on_gpu=False) == [Stretch(3, 3.0, 2.0), Stretch(4, 0.5, 2.0)]
-    assert interference([mixed, prefill_only], on_gpu=False) == []  # no baseline
+    assert interference(records, on_gpu=False) == ([Stretch(3, 3.0, 2.0), Stretch(4, 0.5, 2.0)], [])
+    assert interference([mixed, prefill_only], on_gpu=False) == ([], [])  # no baseline
+
+
+def test_recompute_of_preempted_tokens_is_cache_pressure_while_busy() -> None:
+    """A step's prefill time (above its decodes' baseline) splits by the recomputed share of
+    its prefill tokens: that part is cache pressure, the rest prefill interference."""
+    decodes = [rec(i, 10.0 * i, 10.0 * i + 2.0, decode_tokens=4) for i in range(3)]
+    mixed = rec(3, 40.0, 46.0, decode_tokens=4, prefill_tokens=100, recompute_tokens=25)
+    redo_only = rec(4, 50.0, 58.0, prefill_tokens=40, recompute_tokens=40)  # no decodes
+    fresh = rec(5, 60.0, 61.0, prefill_tokens=10)  # nothing recomputed, no decodes: neither
+    stretches, recomputes = interference([*decodes, mixed, redo_only, fresh], on_gpu=False)
+    assert stretches == [Stretch(3, 3.0, 2.0)]  # 4 ms of prefill, 3/4 of it fresh tokens
+    assert recomputes == [Recompute(3, 1.0, 25), Recompute(4, 8.0, 40)]
+    result = attribute([*decodes, mixed, redo_only, fresh], info(stop=61.0))
+    assert result.recomputes == recomputes and result.stretches == stretches

@@ -108,6 +108,12 @@ def test_preemptions_are_counted_on_the_step_that_made_them(model_dir, tmp_path:
         total = engine.scheduler.num_preemptions
     assert total > 0 and sum(r.preemptions for r in records) == total
     assert all(0 <= r.free_blocks <= 8 and r.running <= 4 for r in records)
+    # a preempted request's KV is computed again: its tokens below what was dropped are
+    # recompute tokens, counted once per step that carries them (never more than its prefill)
+    redo = [r for r in records if r.recompute_tokens]
+    assert redo and all(r.recompute_tokens <= r.prefill_tokens for r in redo)
+    assert min(r.step for r in redo) > min(r.step for r in records if r.preemptions)
+    assert any(r.admit_limit == "blocks" for r in records)  # requests waited for KV blocks
 
 
 def test_a_snapshot_holds_only_complete_rows() -> None:

@@ -52,6 +52,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_lost_tokens: int = 0  # most KV tokens a preemption dropped (recomputed below this)
     first_token_time: float = 0.0  # perf_counter when the first token reached the host
     sample_index: int = 0
     num_samples: int = 1

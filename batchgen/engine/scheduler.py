@@ -201,6 +201,7 @@ class Scheduler:
         """Recompute later: drop its KV; it goes back to the front of the queue."""
         self.running.remove(request)
         self._release(request)
+        request.num_lost_tokens = max(request.num_lost_tokens, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -88,9 +88,20 @@ class Stretch(NamedTuple):
     baseline_ms: float  # median busy time of decode-only steps with as many decodes
 
 
+class Recompute(NamedTuple):
+    """Device time a step spent recomputing KV that preemptions dropped (cache pressure while
+    the device was busy): the step's prefill time (busy time above the decode-only baseline of
+    its decodes; all of it without decodes) times the recomputed share of its prefill tokens."""
+
+    step: int
+    ms: float
+    tokens: int
+
+
 class Attribution(NamedTuple):
     gaps: list[Gap]
-    stretches: list[Stretch]
+    stretches: list[Stretch]  # their extra_ms excludes recompute time (counted in recomputes)
+    recomputes: list[Recompute]
     wall_ms: float
     busy_ms: float
     steps: int  # steps with a known busy interval
@@ -135,28 +146,42 @@ def attribute(records: Sequence[StepRecord], info: RunInfo) -> Attribution:
         gaps.append(Gap(None, end, wall, NO_DEMAND))
     wall = end if wall is None else max(wall, end)
     busy_ms = sum(b[1] - b[0] for _, b in known)
-    stretches = interference([r for r, _ in known], on_gpu)
-    return Attribution(gaps, stretches, wall, busy_ms, len(known), len(records) - len(known))
+    stretches, recomputes = interference([r for r, _ in known], on_gpu)
+    return Attribution(
+        gaps, stretches, recomputes, wall, busy_ms, len(known), len(records) - len(known)
+    )
 
 
-def interference(records: Sequence[StepRecord], on_gpu: bool) -> list[Stretch]:
-    """Steps with decodes and prefill tokens, busy longer than the median decode-only step of
-    the same number of decodes (of the nearest number, when no step had exactly as many)."""
+def interference(
+    records: Sequence[StepRecord], on_gpu: bool
+) -> tuple[list[Stretch], list[Recompute]]:
+    """Steps whose prefill tokens cost device time, split in two: prefill interference (steps
+    with decodes and prefill tokens, busy longer than the median decode-only step of the same
+    number of decodes, or of the nearest number when no step had exactly as many) and
+    recompute (the share of a step's prefill time spent on tokens a preemption dropped)."""
     alone: dict[int, list[float]] = {}
     for r in records:
         b = busy(r, on_gpu)
         if b is not None and r.decode_tokens and not r.prefill_tokens:
             alone.setdefault(r.decode_tokens, []).append(b[1] - b[0])
-    if not alone:
-        return []
     medians = {d: statistics.median(v) for d, v in alone.items()}
-    out = []
+    stretches, recomputes = [], []
     for r in records:
         b = busy(r, on_gpu)
-        if b is None or not (r.decode_tokens and r.prefill_tokens):
+        if b is None or not r.prefill_tokens:
             continue
-        nearest = min(medians, key=lambda d: (abs(d - r.decode_tokens), d))
-        extra = (b[1] - b[0]) - medians[nearest]
-        if extra > 0:
-            out.append(Stretch(r.step, extra, medians[nearest]))
-    return out
+        baseline = 0.0
+        if r.decode_tokens:
+            if not medians:
+                continue
+            nearest = min(medians, key=lambda d: (abs(d - r.decode_tokens), d))
+            baseline = medians[nearest]
+        prefill_ms = (b[1] - b[0]) - baseline
+        if prefill_ms <= 0:
+            continue
+        share = min(r.recompute_tokens, r.prefill_tokens) / r.prefill_tokens
+        if share:
+            recomputes.append(Recompute(r.step, prefill_ms * share, r.recompute_tokens))
+        if r.decode_tokens and share < 1:
+            stretches.append(Stretch(r.step, prefill_ms * (1 - share), baseline))
+    return stretches, recomputes

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from batchgen.engine import Engine
-from batchgen.engine.scheduler import Batch, Scheduler
+from batchgen.engine.scheduler import Batch, ScheduledChunk, Scheduler
 from batchgen.profile.device_clock import CudaClock
 from batchgen.profile.records import BLOCKED_BY, RunInfo
 from batchgen.profile.store import (
@@ -134,8 +134,10 @@ class StepRecorder:
             self._lag(),
             idle[0],
             idle[1],
+            _recomputed(batch.chunks, decodes),
             0,
             idle[2],
+            BLOCKED_BY.index(blocked_by(s)) if s.waiting else 0,
         )
         for append, value in zip(self._append, values, strict=True):
             append(value)
@@ -196,6 +198,17 @@ def _leading_decodes(batch: Batch) -> int:
         else:
             high = mid
     return low
+
+
+def _recomputed(chunks: list[ScheduledChunk], decodes: int) -> int:
+    """Tokens of the prefill chunks (those after the leading decodes) that recompute KV a
+    preemption dropped: below their request's num_lost_tokens."""
+    total = 0
+    for chunk in chunks[decodes:]:
+        lost = chunk.request.num_lost_tokens
+        if lost > chunk.start:
+            total += min(lost, chunk.start + chunk.num_tokens) - chunk.start
+    return total
 
 
 def blocked_by(s: Scheduler) -> str:

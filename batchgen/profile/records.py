@@ -54,6 +54,8 @@ class StepRecord(NamedTuple):
     # nothing with no request waiting
     idle_blocked: int = 0  # ... that launched nothing while requests waited
     blocked_by: str = ""  # the last such iteration's limit: seqs, blocks, pending, budget
+    recompute_tokens: int = 0  # prefill tokens recomputing KV that a preemption dropped
+    admit_limit: str = ""  # why this step admitted no more waiting requests ("": none waited)
     step: int = 0  # the step's number in the run (0, 1, ...)
 
 

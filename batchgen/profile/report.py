@@ -94,7 +94,7 @@ def render(
     for cause, (ms, count) in result.by_cause().items():
         lines.append(f"{cause:<22}{ms:>12.1f}{ms / wall:>12.1%}{count:>8}")
     lines.append(f"{'total idle':<22}{result.idle_ms:>12.1f}{result.idle_ms / wall:>12.1%}")
-    lines += ["", *_not_idle(records, result, wall), ""]
+    lines += ["", *_not_idle(records, result, info, wall), ""]
     lines += _top_gaps(records, result.gaps, top)
     if result.unread:
         lines.append(f"{result.unread} steps have no device times (the run was killed)")
@@ -102,19 +102,34 @@ def render(
     return lines
 
 
-def _not_idle(records: Sequence[StepRecord], result: Attribution, wall: float) -> list[str]:
+def _not_idle(
+    records: Sequence[StepRecord], result: Attribution, info: RunInfo, wall: float
+) -> list[str]:
+    """Device time spent, not idle, on what a cause made the device do: prefill chunks that
+    stretched decode steps, and recomputing what preemptions dropped."""
     extra = sum(s.extra_ms for s in result.stretches)
+    redo = sum(r.ms for r in result.recomputes)
     mixed = sum(1 for r in records if r.decode_tokens and r.prefill_tokens)
     preemptions = sum(r.preemptions for r in records)
     evictions = sum(r.evictions for r in records)
-    return [
-        f"{PREFILL_INTERFERENCE} (not idle time: the device was busy): decode steps that "
-        f"carried prefill chunks ran {extra:.1f} ms ({extra / wall:.1%} of wall) longer than "
-        f"the median decode-only step with as many decodes ({len(result.stretches)} of "
-        f"{mixed} mixed steps)",
-        f"cache events: {preemptions} preemptions (recomputed as prefill), {evictions} "
-        "prefix-cache evictions",
+    tokens = sum(r.recompute_tokens for r in records)
+    held = [r for r in records if r.admit_limit == "blocks"]
+    lines = [
+        "device time spent on a cause (not idle: the device was busy):",
+        f"{'cause':<22}{'busy ms':>12}{'% of wall':>12}{'steps':>8}",
+        f"{PREFILL_INTERFERENCE:<22}{extra:>12.1f}{extra / wall:>12.1%}"
+        f"{len(result.stretches):>8}  of {mixed} mixed steps: above the median decode-only step",
+        f"{CACHE_PRESSURE:<22}{redo:>12.1f}{redo / wall:>12.1%}{len(result.recomputes):>8}"
+        f"  recomputing {tokens} tokens that {preemptions} preemptions dropped",
+        f"prefix-cache evictions: {evictions}",
     ]
+    if held:
+        batch = sum(r.running for r in held) / len(held)
+        lines.append(
+            f"{CACHE_PRESSURE}: {len(held)} of {len(records)} steps ran while requests waited "
+            f"for free KV blocks (mean batch {batch:.1f} of max_num_seqs {info.max_num_seqs})"
+        )
+    return lines
 
 
 def _top_gaps(records: Sequence[StepRecord], gaps: Sequence[Gap], top: int) -> list[str]:

@@ -44,8 +44,9 @@ INTS = (
     "writer_lag",  # -1 = no gauge
     "idle_no_demand",
     "idle_blocked",
+    "recompute_tokens",
 )
-CODES = ("graphed", "blocked_by")  # bool; index into BLOCKED_BY
+CODES = ("graphed", "blocked_by", "admit_limit")  # bool; index into BLOCKED_BY (both limits)
 COLUMNS = FLOATS + INTS + CODES  # the recorder appends one value to each, in this order
 DURATIONS = {  # derived column -> (from, to)
     "schedule_ms": ("host_schedule_ms", "host_prepare_ms"),
@@ -88,8 +89,9 @@ def to_table(arrays: Arrays, info: RunInfo) -> pa.Table:
         data[name] = _arrow(values, pa.int64(), values >= 0)
     graphed = np.packbits(np.frombuffer(arrays["graphed"], dtype=np.int8) != 0, bitorder="little")
     data["graphed"] = pa.Array.from_buffers(pa.bool_(), n, [None, pa.py_buffer(graphed)])
-    codes = _arrow(np.frombuffer(arrays["blocked_by"], dtype=np.int8), pa.int8())
-    data["blocked_by"] = pa.DictionaryArray.from_arrays(codes, _strings(BLOCKED_BY))
+    for name in ("blocked_by", "admit_limit"):
+        codes = _arrow(np.frombuffer(arrays[name], dtype=np.int8), pa.int8())
+        data[name] = pa.DictionaryArray.from_arrays(codes, _strings(BLOCKED_BY))
     for name, (start, end) in DURATIONS.items():
         values = floats[end] - floats[start]
         data[name] = _arrow(values, pa.float64(), ~np.isnan(values))

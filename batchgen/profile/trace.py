@@ -15,7 +15,7 @@ from typing import Any
 
 from batchgen.io.atomic import write_atomic
 from batchgen.profile.attribution import Attribution, busy
-from batchgen.profile.records import PREFILL_INTERFERENCE, RunInfo, StepRecord
+from batchgen.profile.records import CACHE_PRESSURE, PREFILL_INTERFERENCE, RunInfo, StepRecord
 
 DEVICE, HOST = 1, 2
 HOST_PHASES = (  # name, from, to
@@ -71,6 +71,7 @@ def _device(
     records: Sequence[StepRecord], result: Attribution, info: RunInfo
 ) -> Iterator[dict[str, Any]]:
     stretched = {s.step: round(s.extra_ms, 3) for s in result.stretches}
+    redone = {r.step: round(r.ms, 3) for r in result.recomputes}
     for r in records:
         span = busy(r, info.on_gpu)
         if span is None:
@@ -83,6 +84,9 @@ def _device(
         }
         if r.step in stretched:
             args[f"{PREFILL_INTERFERENCE} ms"] = stretched[r.step]
+        if r.step in redone:
+            args[f"{CACHE_PRESSURE} (recompute) ms"] = redone[r.step]
+            args["recompute_tokens"] = r.recompute_tokens
         yield _complete(f"step {r.step}", "step", DEVICE, *span, **args)
         yield _counter("batch", span[0], running=r.running, waiting=r.waiting)
         if r.tokenizer_depth is not None and r.writer_lag is not None:
