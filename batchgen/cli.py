@@ -229,8 +229,9 @@ def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event) -> An
     """The job alone, or this process's rank of it (a place in a world of several)."""
     if place is None or place.world_size == 1:
         from batchgen.job import run_job
+        from batchgen.summary import process_age_s
 
-        return run_job(spec, force_resume=force_resume, stop=stop)
+        return run_job(spec, force_resume=force_resume, stop=stop, process_s=process_age_s())
     import torch
 
     from batchgen.data_parallel import run_ranks

@@ -143,11 +143,13 @@ def run_job(
     source: InputSource | None = None,
     hooks: Hooks = NO_HOOKS,
     note: Callable[[str], None] | None = None,
+    process_s: float | None = None,
 ) -> JobResult:
     """Run (or resume) a job to completion, or until `stop` is set.
 
     engine: a loaded engine to use (kept loaded afterwards); source: see check_job;
-    note: where warnings go (default: stderr).
+    note: where warnings go (default: stderr); process_s: the process's age when the caller
+    began the job (the CLI's; reported as the first start-up phase).
     """
     note = note or _to_stderr
     started = time.perf_counter()
@@ -160,7 +162,8 @@ def run_job(
         fingerprint = source.fingerprint()
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
         check_resumable(layout, previous, current, ("settings", "input"), force_resume)
-        startup = {"checks": round(time.perf_counter() - started, 3)}
+        startup = {} if process_s is None else {"process": process_s}
+        startup["checks"] = round(time.perf_counter() - started, 3)
         if engine is None:
             engine = Engine(spec.model.path, spec.engine)
             startup |= engine.startup_s

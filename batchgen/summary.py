@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where unknown. The CLI reports
+    it as the "process" start-up phase: interpreter start, imports, reading the job spec."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 on
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)  # field 22
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -24,7 +38,9 @@ class JobSummary:
     complete: bool
     result_file: str | None = None  # the final file, when the job completed
     error_file: str | None = None  # OpenAI Batch input: the error lines' file
-    startup_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds (in order)
+    # phase -> seconds, in order; from the CLI the first is "process" (from the process's
+    # start) and the phases add up to the time from process start to the first committed row
+    startup_s: dict[str, float] = field(default_factory=dict)
     # ranks that ran the job (data-parallel): the counts are their totals, each start-up
     # phase the slowest rank's
     world_size: int = 1

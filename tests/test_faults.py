@@ -17,6 +17,7 @@ from batchgen import BatchgenError
 from batchgen.cli import EXIT_INTERNAL_ERROR, main
 from batchgen.io import writer as writer_module
 from batchgen.job import run_job
+from batchgen.summary import process_age_s
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 GOOD = {"id": "good", "prompt": "Tell me something."}
@@ -408,3 +409,14 @@ def test_sigkill_while_writing_the_manifest_or_the_final_file(
     assert rerun.exit_code == 0, rerun.output
     assert [r["index"] for r in read_rows(out)] == list(range(6))
     assert not list(out.rglob(".tmp-*"))
+
+
+def test_a_cli_run_reports_start_up_from_the_process_start(base, tmp_path: Path) -> None:
+    """From the CLI the start-up phases begin at the process's start ("process": interpreter,
+    imports, the spec) and end at the first committed row."""
+    out = tmp_path / "out"
+    code, lines = cli("run", *base, "--output", str(out))
+    assert code == 0, lines
+    phases = json.loads((out / "summary.json").read_text())["startup_s"]
+    assert {"process", "checks", "load", "first_row"} <= set(phases)  # the file sorts keys
+    assert 0 < phases["process"] <= process_age_s()  # this test's process began before the run
