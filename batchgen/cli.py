@@ -357,6 +357,13 @@ class _stop_on_signals:
     help="Engine settings, e.g. runtime.max_num_seqs=128.",
 )
 @click.option(
+    "--precisions",
+    default="bf16",
+    show_default=True,
+    help="Comma-separated, of bf16, fp8 (FP8 weights), fp8-kv (FP8 weights and KV cache): "
+    "each batchgen loop runs once per precision on the same prompts.",
+)
+@click.option(
     "--results",
     type=click.Path(dir_okay=False),
     default="benchmarks/RESULTS.md",
@@ -373,12 +380,20 @@ def bench(
     new_tokens: int | None,
     prefix_caching: str | None,
     sets: tuple[str, ...],
+    precisions: str,
     results: str,
 ) -> None:
     """Time batchgen against Hugging Face on a random-weight model (needs a GPU)."""
     from pathlib import Path
 
-    from batchgen.bench.run import SYSTEMS, record, run_bench, run_job_bench, table
+    from batchgen.bench.run import (
+        PRECISIONS,
+        SYSTEMS,
+        record,
+        run_bench,
+        run_job_bench,
+        table,
+    )
     from batchgen.spec import engine_config
 
     command = "batchgen bench " + " ".join(sys.argv[2:])
@@ -399,8 +414,14 @@ def bench(
             raise BatchgenError(
                 "--prefix-caching and --set runtime.enable_prefix_caching: give one"
             )
+        wanted = tuple(p.strip() for p in precisions.split(",") if p.strip())
+        bad = [p for p in wanted if p not in PRECISIONS]
+        if bad or not wanted:
+            raise BatchgenError(
+                f"unknown precision {bad[0] if bad else precisions!r}: use {', '.join(PRECISIONS)}"
+            )
         config = engine_config(list(sets))
-        report = run_bench(shape, workload, chosen, config, requests, prefix_caching)
+        report = run_bench(shape, workload, chosen, config, requests, prefix_caching, wanted)
     except BatchgenError as exc:
         _fail(exc)
     text = table(report)

@@ -21,11 +21,15 @@ from batchgen.bench.systems import (
     run_hf_static,
     teacher_forced_agreement,
 )
-from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
+from batchgen.bench.workloads import SHAPES, WORKLOADS, Precision, roofline_seconds
 from batchgen.engine import EngineConfig
+from batchgen.engine.quant import is_quantized, quantize_model
 from batchgen.errors import BatchgenError
 
 SYSTEMS = ("overlap", "sync", "hf-static", "hf-batch")
+# --precisions: what each batchgen loop runs with; HF systems run the 16-bit model only.
+# FP8 runs quantize the benchmark's model in place after the 16-bit ones (never reloaded).
+PRECISIONS = {"bf16": Precision(), "fp8": Precision(True), "fp8-kv": Precision(True, True)}
 # --prefix-caching: which batchgen runs each loop gets (None = as the engine config says)
 PREFIX_CACHING = {"on": (True,), "off": (False,), "both": (True, False)}
 
@@ -37,9 +41,11 @@ def run_bench(
     config: EngineConfig,
     requests: int | None = None,
     prefix_caching: str | None = None,
+    precisions: tuple[str, ...] = ("bf16",),
 ) -> dict:
     """prefix_caching: a key of PREFIX_CACHING; "both" times each batchgen loop with the
-    cache and without it, on the same prompts."""
+    cache and without it, on the same prompts. precisions: keys of PRECISIONS, run in that
+    table's order (16-bit first: FP8 quantizes the model in place)."""
     if not torch.cuda.is_available():
         raise BatchgenError("batchgen bench needs a CUDA GPU (it times real model shapes)")
     shape, workload = SHAPES[shape_name], WORKLOADS[workload_name]
@@ -48,19 +54,36 @@ def run_bench(
     prompts = workload.prompts(shape.vocab)
     model = build_model(shape)
     modes = PREFIX_CACHING[prefix_caching] if prefix_caching else (config.enable_prefix_caching,)
-    results, infos = _run_systems(model, prompts, workload.output_tokens, systems, config, modes)
     lens = [len(p) for p in prompts]
-    bound = roofline_seconds(shape, lens, workload.output_tokens, workload.shared_prefix)
-    first = next((r for r in results if r.system.startswith("batchgen")), None)
-    if first is not None:
-        infos["hf_teacher_forced"] = teacher_forced_agreement(model, prompts, first.tokens)
+    results: list[RunResult] = []
+    infos: dict[str, dict] = {}
+    bounds: dict[str, float] = {}
+    for name in (p for p in PRECISIONS if p in precisions):
+        precision = PRECISIONS[name]
+        if precision.weights_fp8 and not is_quantized(model):
+            quantize_model(model)
+        cfg = replace(config, kv_cache_dtype="fp8" if precision.kv_fp8 else "auto")
+        chosen = (
+            systems if name == "bf16" else tuple(s for s in systems if s in ("overlap", "sync"))
+        )
+        label = "" if name == "bf16" else f" [{name}]"
+        done, info = _run_systems(model, prompts, workload.output_tokens, chosen, cfg, modes, label)
+        first = next((r for r in done if r.system.startswith("batchgen")), None)
+        if first is not None and name == "bf16":
+            info["hf_teacher_forced"] = teacher_forced_agreement(model, prompts, first.tokens)
+        results += done
+        infos.update(info)
+        bounds[name] = roofline_seconds(
+            shape, lens, workload.output_tokens, workload.shared_prefix, precision
+        )
     return {
         "shape": shape_name,
         "workload": workload.name,
         "requests": workload.requests,
         "results": results,
         "infos": infos,
-        "roofline_s": bound,
+        "roofline_s": bounds.get("bf16", next(iter(bounds.values()))),
+        "rooflines": bounds,
     }
 
 
@@ -71,8 +94,10 @@ def _run_systems(
     systems: tuple[str, ...],
     config: EngineConfig,
     modes: tuple[bool, ...],
+    label: str = "",
 ) -> tuple[list[RunResult], dict[str, dict]]:
-    """Each system in turn (each batchgen loop once per prefix-caching mode)."""
+    """Each system in turn (each batchgen loop once per prefix-caching mode); label is
+    appended to batchgen's system names."""
     results: list[RunResult] = []
     infos: dict[str, dict] = {}
     for system in systems:
@@ -80,7 +105,8 @@ def _run_systems(
             for caching in modes:
                 cfg = replace(config, overlap=system == "overlap", enable_prefix_caching=caching)
                 result, info = run_batchgen(model, prompts, output_tokens, cfg)
-                infos[system if caching else f"{system}, no prefix cache"] = info
+                result = result._replace(system=result.system + label)
+                infos[(system if caching else f"{system}, no prefix cache") + label] = info
                 results.append(_printed(result))
         elif system == "hf-static":
             results.append(_printed(run_hf_static(model, prompts, output_tokens)))
@@ -108,8 +134,10 @@ def table(report: dict) -> str:
         "| TTFT p50 / p90 / p99 s | prefix cache hits |",
         "|---|---|---|---|---|---|---|",
     ]
+    rooflines = report.get("rooflines", {})
     for r in results:
         ratio = f"{r.tokens_per_s / best_hf:.2f}x" if best_hf else "-"
+        bound = rooflines.get(_precision_of(r.system), report["roofline_s"])
         idle = "-" if r.gpu_idle_share is None else f"{100 * r.gpu_idle_share:.1f}%"
         ttft = (
             "-"
@@ -119,12 +147,39 @@ def table(report: dict) -> str:
         hits = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
         lines.append(
             f"| {r.system} | {r.tokens_per_s:,.0f} | {ratio} | "
-            f"{report['roofline_s'] / r.seconds:.1%} | {idle} | {ttft} | {hits} |"
+            f"{bound / r.seconds:.1%} | {idle} | {ttft} | {hits} |"
         )
     lines += _agreement(results)
+    lines += _fp8_lines(results, rooflines, report["infos"])
     for system, info in report["infos"].items():
         lines.append(f"- {system}: {json.dumps(info)}")
     return "\n".join(lines)
+
+
+def _precision_of(system: str) -> str:
+    """'batchgen overlapped [fp8]' -> 'fp8'; no bracket -> 'bf16'."""
+    return system.rpartition("[")[2].rstrip("]") if system.endswith("]") else "bf16"
+
+
+def _fp8_lines(results: list[RunResult], rooflines: dict, infos: dict) -> list[str]:
+    """Per FP8 precision: tok/s over the 16-bit run of the same loop, the FP8 roofline's gain
+    over the 16-bit one, KV blocks, and how many greedy tokens match the 16-bit run."""
+    out = []
+    base = {r.system: r for r in results if _precision_of(r.system) == "bf16"}
+    for r in results:
+        name = _precision_of(r.system)
+        ref = base.get(r.system.removesuffix(f" [{name}]"))
+        if name == "bf16" or ref is None:
+            continue
+        bound = rooflines["bf16"] / rooflines[name] if "bf16" in rooflines else float("nan")
+        rate, _ = match_rate(ref.tokens, r.tokens)
+        kv = {k: v.get("kv_blocks") for k, v in infos.items() if k.endswith(f"[{name}]")}
+        out.append(
+            f"- {r.system}: {r.tokens_per_s / ref.tokens_per_s:.2f}x the bf16 tok/s (roofline "
+            f"allows {bound:.2f}x); greedy tokens equal to bf16 at {rate:.1%} of positions; "
+            f"KV blocks {kv}"
+        )
+    return out
 
 
 def _agreement(results: list[RunResult]) -> list[str]:

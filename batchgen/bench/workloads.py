@@ -8,6 +8,16 @@ from dataclasses import dataclass
 COPY_BANDWIDTH = 4.25e12  # bytes/s, device copy (read + write) measured on the H200
 MATMUL_PEAK = 790e12  # bf16 FLOP/s measured on the H200
 BYTES = 2  # bf16
+FP8_BYTES = 1
+FP8_PEAK_FACTOR = 2  # FP8 tensor-core FLOP/s over bf16 on Hopper (dense)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run stores in FP8: the decoder layers' Linear weights, the KV cache."""
+
+    weights_fp8: bool = False
+    kv_fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,17 @@ class Shape:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BYTES
+
+    def weight_bytes(self, precision: Precision) -> int:
+        """Bytes read per decode step: the layers' Linear weights in FP8 or bf16; norms and
+        the lm_head always bf16."""
+        if not precision.weights_fp8:
+            return self.matmul_params * BYTES
+        linear = self.layers * (self.layer_params - 2 * self.hidden)
+        return linear * FP8_BYTES + (self.matmul_params - linear) * BYTES
+
+    def kv_bytes(self, precision: Precision) -> int:
+        return self.kv_bytes_per_token * (FP8_BYTES if precision.kv_fp8 else BYTES) // BYTES
 
     def llama_config(self) -> dict:
         return dict(
@@ -88,7 +109,11 @@ WORKLOADS = {
 
 
 def roofline_seconds(
-    shape: Shape, prompt_lens: list[int], output_tokens: int, shared_prefix: int = 0
+    shape: Shape,
+    prompt_lens: list[int],
+    output_tokens: int,
+    shared_prefix: int = 0,
+    precision: Precision = Precision(),
 ) -> float:
     """Prefill as compute, then each decode step of all requests at once as
     max(bytes / bandwidth, flops / peak); bytes = weights + lm_head + the KV cache read.
@@ -96,9 +121,11 @@ def roofline_seconds(
     shared_prefix: the first tokens of every prompt are the same; their prefill is computed
     once (what prefix caching makes possible) and each prompt's own tokens attend to them.
     Decode still reads every request's whole context, the shared prefix included.
+    FP8 (precision): weights and KV at their FP8 sizes; matmul FLOPs at the FP8 peak.
     """
-    return _prefill_seconds(shape, prompt_lens, shared_prefix) + _decode_seconds(
-        shape, prompt_lens, output_tokens
+    peak = MATMUL_PEAK * (FP8_PEAK_FACTOR if precision.weights_fp8 else 1)
+    return _prefill_seconds(shape, prompt_lens, shared_prefix, peak) + _decode_seconds(
+        shape, prompt_lens, output_tokens, precision, peak
     )
 
 
@@ -106,7 +133,9 @@ def _attn_flops_per_pair(shape: Shape) -> int:
     return 4 * shape.heads * shape.head_dim * shape.layers  # q.k and p.v
 
 
-def _prefill_seconds(shape: Shape, prompt_lens: list[int], shared_prefix: int) -> float:
+def _prefill_seconds(
+    shape: Shape, prompt_lens: list[int], shared_prefix: int, peak: float = MATMUL_PEAK
+) -> float:
     """Compute for P shared tokens once, then per prompt its s own tokens: 2 x params x s
     matmul flops and attention over s x P + s^2 / 2 (query, key) pairs."""
     pair = _attn_flops_per_pair(shape)
@@ -115,17 +144,23 @@ def _prefill_seconds(shape: Shape, prompt_lens: list[int], shared_prefix: int) -
     for p in prompt_lens:
         own = p - shared
         flops += 2 * shape.matmul_params * own + pair * (own * shared + own * own / 2)
-    return flops / MATMUL_PEAK
+    return flops / peak
 
 
-def _decode_seconds(shape: Shape, prompt_lens: list[int], output_tokens: int) -> float:
+def _decode_seconds(
+    shape: Shape,
+    prompt_lens: list[int],
+    output_tokens: int,
+    precision: Precision,
+    peak: float,
+) -> float:
     n = len(prompt_lens)
     pair = _attn_flops_per_pair(shape)
     total = 0.0
     ctx = sum(prompt_lens)
     for _ in range(output_tokens):
         ctx += n
-        nbytes = shape.matmul_params * BYTES + ctx * shape.kv_bytes_per_token
+        nbytes = shape.weight_bytes(precision) + ctx * shape.kv_bytes(precision)
         flops = 2 * shape.matmul_params * n + pair * ctx
-        total += max(nbytes / COPY_BANDWIDTH, flops / MATMUL_PEAK)
+        total += max(nbytes / COPY_BANDWIDTH, flops / peak)
     return total

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from batchgen.errors import check_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -17,6 +19,11 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    # "fp8": a 16-bit checkpoint's Linear layers (not the lm_head) quantized at load to FP8
+    # E4M3 with per-output-channel weight scales and per-token activation scales. A
+    # pre-quantized FP8 checkpoint runs in FP8 whatever this says (its config tells).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "fp8" = E4M3, per-tensor scales
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None = sized from memory (kv_cache_memory_fraction / cpu)
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after the model loads
@@ -50,6 +57,15 @@ class EngineConfig:
             "auto, cpu, cuda or cuda:N",
         )
         check_field(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        check_field(
+            self.quantization in QUANTIZATIONS, "quantization", self.quantization, "unset or fp8"
+        )
+        check_field(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            "auto or fp8",
+        )
         check_field(
             self.block_size in (8, 16, 32, 64, 128),
             "block_size",

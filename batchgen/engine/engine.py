@@ -20,6 +20,7 @@ from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
+    kv_cache_dtype,
     load_model,
     load_tokenizer,
     model_shape,
@@ -29,6 +30,7 @@ from batchgen.engine.model_loader import (
 )
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.probe import check_model
+from batchgen.engine.quant.convert import check_adopted
 from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
@@ -69,13 +71,14 @@ class Engine:
         adopted = isinstance(model, PreTrainedModel)
         if adopted:  # the caller's model: used as it is, given back unchanged by close()
             self.device, self.dtype = adopt_model(model, self.config)
+            check_adopted(model, self.config.quantization, self.device)
             self.model = model
         else:
             self.device = resolve_device(self.config)
             self.dtype = resolve_dtype(self.config, self.device)
             if self.device.type == "cpu":
                 set_cpu_threads(self.config)
-            self.model = load_model(model, self.device, self.dtype)
+            self.model = load_model(model, self.device, self.dtype, self.config.quantization)
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         if self.device.type == "cuda":  # compiled kernels kept with batchgen's other caches
@@ -89,15 +92,16 @@ class Engine:
         clock.mark("shape")
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
         self.num_blocks = plan_num_blocks(
-            self.config, self.shape, self.dtype, self.device, self.max_model_len
+            self.config, self.shape, self.kv_dtype, self.device, self.max_model_len
         )
         self.runner = ModelRunner(
             self.model,
             self.shape,
             self.config,
             self.device,
-            self.dtype,
+            self.kv_dtype,
             self.num_blocks,
             self.max_model_len,
             adopted=adopted,

@@ -10,7 +10,9 @@ instance (the model object only; nothing inside transformers is replaced).
   own function is used for good.
 
 Merged projections are one weight tensor whose rows the original Linear modules keep as views
-(no extra memory; the values do not change). Outside a batchgen step (a caller running its own
+(no extra memory; the values do not change); FP8 layers merge their weights and per-channel
+scales likewise (per-token activation scales depend only on the shared input, so the merged
+GEMM computes what the separate ones do). Outside a batchgen step (a caller running its own
 model meanwhile) the attention runs the module's own forward. Models of other families run
 unchanged.
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.attention.hf_adapter import batchgen_attention, in_step
+from batchgen.engine.quant.fp8 import Fp8Linear, fp8_linear
 
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
@@ -39,7 +42,7 @@ FUSED_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
 }
 
 
-Merged = tuple[torch.Tensor, torch.Tensor | None]  # one weight (and bias) for several Linears
+Merged = Callable[[torch.Tensor], torch.Tensor]  # one linear standing for several Linears
 
 
 class Fusion:
@@ -89,28 +92,57 @@ class Fusion:
 
 
 def _merged(module: nn.Module, names: tuple[str, ...]) -> Merged | None:
-    """One [sum(out), in] weight (and bias) for the Linear children `names`; each child's
-    parameters become views of it. None where they cannot be merged."""
+    """One linear over the children `names` (outputs concatenated); each child's tensors
+    become row views of the merged ones. None where they cannot be merged."""
     linears = [getattr(module, n) for n in names]
+    if all(type(x) is Fp8Linear for x in linears):
+        return _merged_fp8(linears)
     if not all(type(x) is nn.Linear for x in linears):
         return None
-    weights = [x.weight for x in linears]
-    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+    weight, bias = _concat(linears, "weight")
+    if weight is None:
         return None
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _merged_fp8(linears: list[Fp8Linear]) -> Merged | None:
+    """FP8 weights [sum(out), in] with their per-channel scales concatenated likewise."""
+    weight, bias = _concat(linears, "weight")
+    if weight is None:
+        return None
+    scale, _ = _concat(linears, "weight_scale")
+    return lambda x: fp8_linear(x, weight, scale, bias)
+
+
+def _concat(linears: list[nn.Module], name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Concatenate each child's `name` tensor (and its bias) along rows and make the children's
+    tensors views of the result. (None, None) where shapes, dtypes or biases disagree."""
+    parts = [getattr(x, name) for x in linears]
+    if len({(p.dtype, p.device, p.shape[1:]) for p in parts}) != 1:
+        return None, None
     has_bias = [x.bias is not None for x in linears]
     if any(has_bias) and not all(has_bias):
-        return None
+        return None, None
+    with_bias = all(has_bias) and name == "weight"
     with torch.no_grad():
-        weight = torch.cat([w.detach() for w in weights])
-        bias = torch.cat([x.bias.detach() for x in linears]) if all(has_bias) else None
+        # bytes, not values: cat has no float8 kernel on every device
+        merged = torch.cat([p.detach().view(torch.uint8) for p in parts]).view(parts[0].dtype)
+        bias = torch.cat([x.bias.detach() for x in linears]) if with_bias else None
         start = 0
-        for x in linears:
-            rows = x.weight.shape[0]
-            x.weight.data = weight[start : start + rows]
+        for x, part in zip(linears, parts, strict=True):
+            rows = part.shape[0]
+            _set_view(x, name, merged[start : start + rows])
             if bias is not None:
                 x.bias.data = bias[start : start + rows]
             start += rows
-    return weight, bias
+    return merged, bias
+
+
+def _set_view(module: nn.Module, name: str, view: torch.Tensor) -> None:
+    if isinstance(getattr(module, name), nn.Parameter):
+        getattr(module, name).data = view
+    else:  # a buffer (Fp8Linear's weight and scale)
+        setattr(module, name, view)
 
 
 def _norm_forward(module: nn.Module, kernel: Any) -> Callable[..., torch.Tensor]:
@@ -124,7 +156,7 @@ def _mlp_forward(module: nn.Module, ops: Any, merged: Merged | None) -> Callable
     def forward(x: torch.Tensor) -> torch.Tensor:
         if merged is None:
             return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
-        return module.down_proj(ops.silu_mul_merged(F.linear(x, *merged)))
+        return module.down_proj(ops.silu_mul_merged(merged(x)))
 
     return forward
 
@@ -152,7 +184,7 @@ def _attention_forward(
             return own(module, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         tokens = hidden_states.shape[:-1]  # [1, T]
         if merged is not None:
-            q, k, v = F.linear(hidden_states, *merged).split(sizes, dim=-1)
+            q, k, v = merged(hidden_states).split(sizes, dim=-1)
         else:
             q, k, v = (getattr(module, n)(hidden_states) for n in ("q_proj", "k_proj", "v_proj"))
         q, k, v = (t.view(*tokens, -1, head_dim) for t in (q, k, v))  # [1, T, heads, D]

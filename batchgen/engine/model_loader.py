@@ -16,6 +16,8 @@ from transformers import (
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
+from batchgen.engine.quant.checkpoint import checkpoint_format, load_fp8_checkpoint
 from batchgen.errors import BatchgenError
 
 DEFAULT_MODEL = "default"  # the embedded tiny model, built locally on first use
@@ -102,16 +104,34 @@ def adopt_model(model: PreTrainedModel, config: EngineConfig) -> tuple[torch.dev
     return device, dtype
 
 
-def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """Load a model folder, hub id or "default" with batchgen's attention."""
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the KV cache stores: the model's dtype, or FP8 E4M3 (kv_cache_dtype='fp8')."""
+    if config.kv_cache_dtype != "fp8":
+        return dtype
+    check_fp8_device(device, "kv_cache_dtype='fp8'")
+    return FP8_DTYPE
+
+
+def load_model(
+    model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> PreTrainedModel:
+    """Load a model folder, hub id or "default" with batchgen's attention; quantization
+    'fp8' quantizes its Linear layers on the device. A pre-quantized FP8 folder (its
+    config.json says so) is read as FP8 whatever quantization says."""
     register()
     try:
         source = resolve_model_path(model)
+        fmt = checkpoint_format(source)
+        if fmt is not None or quantization == "fp8":
+            check_fp8_device(device)
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, attn_implementation=ATTENTION_NAME
-            )
-        except torch.OutOfMemoryError:
+            if fmt is not None:
+                loaded = load_fp8_checkpoint(source, fmt, dtype, ATTENTION_NAME)
+            else:
+                loaded = AutoModelForCausalLM.from_pretrained(
+                    source, dtype=dtype, attn_implementation=ATTENTION_NAME
+                )
+        except (torch.OutOfMemoryError, BatchgenError):
             raise
         except Exception as exc:  # missing files, bad weights (safetensors, pickle), offline hub
             _refuse_unsupported_class(source, exc)
@@ -119,7 +139,10 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> P
                 f"could not load model '{model}' ({_first_line(exc)}): check the model folder "
                 "or hub id"
             ) from exc
-        return loaded.to(device).eval()
+        loaded = loaded.to(device).eval()
+        if quantization == "fp8" and fmt is None:
+            quantize_model(loaded)
+        return loaded
     except torch.OutOfMemoryError as exc:
         free = _free_gib(device)
         raise BatchgenError(

@@ -6,17 +6,25 @@ A model is refused, with one line naming its family and the reason, when
 - a layer asks attention for something batchgen does not implement (an argument it passes),
 - or batchgen's log-probabilities on a probe input differ from the model's own forward pass
   (its eager attention, unfused modules) by more than the dtype's rounding.
+FP8: the model's own forward pass runs the same FP8 Linear layers (quantization is part of the
+model being checked, not an error of batchgen's), and with an FP8 KV cache its eager
+attention sees keys and values rounded as the cache stores them. What FP8 costs against the
+16-bit model is measured elsewhere (the benchmark's agreement and KL), not here.
 The probe: fixed random prompts prefilled together in one step, then decoded a few steps, so
 the packed prefill, the paged cache and the decode path are all compared.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.engine.attention import attention_audit, attention_scope
+from batchgen.engine.quant.fp8 import FP8_DTYPE, round_to_fp8
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
@@ -30,6 +38,7 @@ PROBE_TOP = 5  # alternatives compared at each position
 RELEVANT_LOGPROB = -12.0  # entries less likely than this are rounding noise in any dtype
 TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6}  # |logprob difference| allowed
 TOLERANCE_16BIT = 0.6
+FP8_KV_REFERENCE = "batchgen-fp8-kv-eager"  # the reference attention for an FP8 KV cache
 
 
 class ModelRefused(BatchgenError):
@@ -115,13 +124,35 @@ def _reference_logprobs(engine: Engine, sequence: list[int]) -> torch.Tensor:
     if fusion is not None:
         fusion.off()
     try:
-        with attention_scope(model, "eager"):
+        with attention_scope(model, _reference_attention(engine)):
             ids = torch.tensor([sequence], device=engine.device)
             logits = model(input_ids=ids, use_cache=False).logits[0]
     finally:
         if fusion is not None:
             fusion.on()
     return logits.float().log_softmax(dim=-1).cpu()
+
+
+def _reference_attention(engine: Engine) -> str:
+    """The attention of the reference pass: the model's eager one, over FP8-rounded keys and
+    values when the engine's cache is FP8."""
+    return fp8_kv_reference() if engine.kv_dtype == FP8_DTYPE else "eager"
+
+
+def fp8_kv_reference() -> str:
+    """Register and name the attention implementation "the model's eager attention over keys
+    and values rounded as an FP8 cache stores them" (what the engine computes with one)."""
+    AttentionInterface.register(FP8_KV_REFERENCE, _fp8_kv_eager)
+    AttentionMaskInterface.register(FP8_KV_REFERENCE, eager_mask)  # the masks eager adds
+    return FP8_KV_REFERENCE
+
+
+def _fp8_kv_eager(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+    modeling = sys.modules.get(type(module).__module__)
+    eager = getattr(modeling, "eager_attention_forward", None)
+    if eager is None:  # a family without its own eager function: transformers' SDPA one
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as eager
+    return eager(module, query, round_to_fp8(key), round_to_fp8(value), *args, **kwargs)
 
 
 def _refuse(family: str, reason: str) -> ModelRefused:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.attention.base import AttentionMetadata, LayerSpec
+from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 BATCHED_PREFILL_LIMIT = 1 << 22  # sequences x longest chunk x longest context, else a loop
 
@@ -146,8 +147,11 @@ def write_kv_reference(
 ) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    k, v = k[valid], v[valid]
+    if k_cache.dtype == FP8_DTYPE:  # saturate (scale 1): out-of-range values would be NaN
+        k, v = (t.float().clamp(-FP8_MAX, FP8_MAX) for t in (k, v))
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 
 
 def decode_batched(

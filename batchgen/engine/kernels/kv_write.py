@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -33,6 +35,8 @@ def _kv_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SATURATE: tl.constexpr,  # an FP8 cache: clamp to its largest finite value first
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -47,6 +51,9 @@ def _kv_write_kernel(
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
+    if SATURATE:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -61,7 +68,7 @@ def write_kv(
     """Write k, v: [T, Hkv, D] (any strides) into caches [num_blocks, block_size, Hkv, D].
 
     slot_mapping: [T] int64 flat slot (block * block_size + offset); -1 = padding, skipped.
-    Values are cast to the cache dtype.
+    Values are cast to the cache dtype (an FP8 E4M3 cache: saturated at +-448, scale 1).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape != v_cache.shape:
@@ -85,5 +92,7 @@ def write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE=k_cache.dtype == FP8_DTYPE,
+        FP8_MAX=FP8_MAX,
         num_warps=4,
     )

@@ -1,0 +1,150 @@
+"""Pre-quantized FP8 checkpoints, detected from the model folder's config.json.
+
+Formats (both E4M3 weights; activations are always quantized per token at run time, so a
+checkpoint's static `input_scale`s are not used):
+- "compressed-tensors": quant_method "compressed-tensors", format "float-quantized", 8-bit
+  float weights with strategy "channel" (`weight_scale` [N, 1]) or "tensor" (one scale).
+  Loaded exactly: the same FP8 values, the per-tensor scale repeated per channel.
+- "fp8": transformers' FineGrainedFP8Config (quant_method "fp8"): `weight_scale_inv` per
+  [128, 128] block (weight_block_size) or one per tensor. Block scales are converted: each
+  weight is dequantized and quantized again per output channel (one more FP8 rounding; a
+  block-scaled GEMM is not implemented).
+The model is built from its config without the quantization section (transformers' own FP8
+integration is not used), its 16-bit tensors loaded as usual, and every Linear whose weight
+is stored in FP8 replaced by an Fp8Linear built from the stored tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchgen.engine.quant.fp8 import FP8_DTYPE, Fp8Linear, quantize_weight
+from batchgen.errors import BatchgenError
+
+FORMATS = ("compressed-tensors", "fp8")
+
+
+def checkpoint_format(source: str) -> str | None:
+    """A local folder's FP8 format (one of FORMATS); None for a 16-bit model or a hub id;
+    BatchgenError for a quantization batchgen does not run."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    quant = json.loads(path.read_text()).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8" and quant.get("activation_scheme", "dynamic") == "dynamic":
+        return "fp8"
+    if method == "compressed-tensors" and _float8_groups(quant):
+        return "compressed-tensors"
+    raise BatchgenError(
+        f"model '{source}' is quantized as {method!r} "
+        f"({json.dumps(quant, sort_keys=True)[:160]}): batchgen runs 16-bit checkpoints, "
+        "compressed-tensors float-quantized FP8 and transformers' FP8 checkpoints only"
+    )
+
+
+def _float8_groups(quant: dict[str, Any]) -> bool:
+    """Every config group is 8-bit float weights, per channel or per tensor."""
+    groups = quant.get("config_groups") or {}
+    top = quant.get("format")
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        if (
+            group.get("format", top) != "float-quantized"
+            or weights.get("num_bits") != 8
+            or weights.get("type") != "float"
+            or weights.get("strategy") not in ("channel", "tensor")
+        ):
+            return False
+    return bool(groups)
+
+
+def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: str) -> nn.Module:
+    """The model of a pre-quantized folder: 16-bit modules in dtype, FP8 Linear layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    config = AutoConfig.from_pretrained(source)
+    quant = dict(config.quantization_config)
+    block = quant.get("weight_block_size") or (128, 128)  # [rows, cols] of one scale block
+    del config.quantization_config
+    tensors = _read_safetensors(Path(source))
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # FP8 weights and their scales are read below
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=dtype, attn_implementation=attention
+        )
+    finally:
+        logging.set_verbosity(verbosity)
+    count = 0
+    for name, weight in tensors.items():
+        if not name.endswith(".weight") or weight.dtype != FP8_DTYPE:
+            continue
+        layer = name.removesuffix(".weight")
+        parent_name, _, child = layer.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        scale = _channel_scale(fmt, tensors, layer, weight)
+        if fmt == "fp8" and scale.dim() == 2:  # [N/128, K/128] block scales
+            weight, scale = _requantize_blocks(weight, scale, block)
+        bias = None if old.bias is None else old.bias.detach()
+        setattr(parent, child, Fp8Linear(weight, scale.reshape(-1).float(), bias))
+        count += 1
+    if not count:
+        raise BatchgenError(f"model '{source}' says it is FP8 but stores no FP8 weights")
+    return model
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise BatchgenError(f"FP8 model folder '{folder}' has no .safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if key.endswith((".weight", "weight_scale", "weight_scale_inv")):
+                    tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _channel_scale(
+    fmt: str, tensors: dict[str, torch.Tensor], layer: str, weight: torch.Tensor
+) -> torch.Tensor:
+    """[N] per-channel scales (a per-tensor one repeated), or [N/128, K/128] block scales."""
+    key = f"{layer}.weight_scale" if fmt == "compressed-tensors" else f"{layer}.weight_scale_inv"
+    if key not in tensors:
+        raise BatchgenError(f"FP8 weight '{layer}.weight' has no '{key}' in the checkpoint")
+    scale = tensors[key].float()
+    rows = weight.shape[0]
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(rows).clone()
+    if scale.dim() == 2 and scale.shape[1] == 1 and scale.shape[0] == rows:
+        return scale.reshape(rows)
+    if fmt == "fp8" and scale.dim() == 2:
+        return scale
+    raise BatchgenError(f"'{key}' has shape {tuple(scale.shape)}: not per tensor or per channel")
+
+
+def _requantize_blocks(
+    weight: torch.Tensor, blocks: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 [N, K] with block scales [ceil(N/bn), ceil(K/bk)] -> per-channel (fp8, [N])."""
+    rows, cols = weight.shape
+    bn, bk = block
+    if blocks.shape != (-(-rows // bn), -(-cols // bk)):
+        raise BatchgenError(
+            f"block scales {tuple(blocks.shape)} do not tile a {rows}x{cols} weight in "
+            f"{bn}x{bk} blocks"
+        )
+    full = blocks.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+    return quantize_weight(weight.float() * full)

@@ -1,0 +1,117 @@
+"""FP8 E4M3 linear layers: weights with one scale per output channel, activations with one
+scale per token (computed on the fly), GEMM in FP8 with float32 accumulation.
+
+Value = fp8 x scale. Scales are float32; a scale is amax / FP8_MAX of what it covers, so the
+largest magnitude maps onto the largest finite FP8 value and nothing saturates.
+
+On a CUDA GPU with FP8 GEMMs (compute capability 9.0+) a linear is one fused Triton kernel
+(row amax -> scale -> cast) and torch._scaled_mm with row-wise scales. Elsewhere (the CPU)
+the same FP8 values are multiplied in float32: the same numbers up to summation order, at no
+speed-up (an emulation for tests and CPU runs, announced by a warning when a model is
+quantized there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values stay 0)
+FP8_GEMM_CAPABILITY = (9, 0)  # row-wise scaled FP8 GEMMs in torch._scaled_mm
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: [N, K] -> (fp8 [N, K], float32 scale [N]), one scale per output channel."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)  # [N]
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """fp8 [N, K] x scale [N] -> [N, K] in dtype."""
+    return (weight.float() * scale.float()[:, None]).to(dtype)
+
+
+def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as an FP8 cache at scale 1 stores it (saturated at +-FP8_MAX), back in x.dtype."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (fp8 [M, K], float32 scale [M]): dynamic per-token scales, in torch."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] contiguous -> (fp8 [M, K], float32 scale [M]); the Triton kernel on CUDA."""
+    if x.is_cuda:
+        from batchgen.engine.kernels.fp8_quant import quantize_rows_triton
+
+        return quantize_rows_triton(x)
+    return quantize_rows_reference(x)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [..., K] 16/32-bit; weight: fp8 [N, K]; scale: float32 [N] -> [..., N] in x.dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] == 0:
+        out = x2.new_empty(0, weight.shape[0])
+    elif x.is_cuda:
+        xq, xs = quantize_rows(x2.contiguous())
+        out = torch._scaled_mm(
+            xq,
+            weight.t(),  # [K, N], column-major: weight is [N, K] row-major
+            scale_a=xs[:, None],  # [M, 1]
+            scale_b=scale[None, :],  # [1, N]
+            out_dtype=torch.bfloat16,  # what row-wise scaling produces
+        ).to(x.dtype)
+    else:
+        xq, xs = quantize_rows_reference(x2)
+        out = ((xq.float() @ weight.float().t()) * xs[:, None] * scale[None, :]).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """A Linear whose weight is FP8 E4M3 [out, in] with a float32 scale per output row.
+
+    weight and weight_scale are buffers (not parameters): the model's dtype stays that of its
+    16-bit parameters, and nothing treats FP8 values as trainable.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if weight.dtype != FP8_DTYPE or scale.shape != (weight.shape[0],):
+            raise ValueError(
+                f"Fp8Linear needs an fp8 [N, K] weight and a [N] scale, got {weight.dtype} "
+                f"{tuple(weight.shape)} and {tuple(scale.shape)}"
+            )
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale.float())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        weight, scale = quantize_weight(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"

@@ -1,0 +1,285 @@
+"""FP8 weights and activations: the quantize/dequantize round trip, the FP8 linear layer,
+quantizing a model, merged projections, the engine in FP8 (CPU emulation; GPU: _scaled_mm and
+graphs), and loading pre-quantized checkpoints."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from batchgen.engine import Engine, EngineConfig, SamplingParams
+from batchgen.engine.fusion import _merged
+from batchgen.engine.model_loader import load_model
+from batchgen.engine.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Linear,
+    dequantize_weight,
+    quantize_model,
+    quantize_rows,
+    quantize_weight,
+)
+from batchgen.errors import BatchgenError
+
+HALF_ULP = 2**-4  # E4M3 has 3 mantissa bits: rounding moves a normal value by <= |x| / 16
+SUBNORMAL_STEP = 2**-9  # smallest E4M3 step, in units of the scale
+
+
+def _within_fp8_error(x: torch.Tensor, back: torch.Tensor, scale: torch.Tensor) -> bool:
+    """|back - x| <= |x| / 16 (normal values) or half the subnormal step (tiny ones)."""
+    bound = torch.maximum(x.abs() * HALF_ULP, scale * SUBNORMAL_STEP / 2) * (1 + 1e-6)
+    return bool(((back - x).abs() <= bound).all())
+
+
+def test_weight_round_trip_within_fp8_error() -> None:
+    w = torch.randn(48, 64) * torch.logspace(-3, 2, 48)[:, None]  # rows of any range
+    w[5, 9] = 1e4  # an outlier sets only its own row's scale
+    w[7] = 0.0
+    q, scale = quantize_weight(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (48,) and scale.dtype == torch.float32
+    back = dequantize_weight(q, scale, torch.float32)
+    assert _within_fp8_error(w, back, scale[:, None])
+    torch.testing.assert_close(back.abs().amax(1), w.abs().amax(1), rtol=1e-6, atol=0)  # 448
+    assert (back[7] == 0).all()
+    rows, s = quantize_rows(w.bfloat16())  # activations: the same per row, from 16-bit
+    assert _within_fp8_error(w.bfloat16().float(), rows.float() * s[:, None], s[:, None])
+
+
+def test_fp8_linear_is_the_fp8_product() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=True)
+    x = torch.randn(3, 5, 64)
+    layer = Fp8Linear.from_linear(linear)
+    out = layer(x)
+    xq, xs = quantize_rows(x.reshape(-1, 64))
+    weight = dequantize_weight(layer.weight, layer.weight_scale, torch.float32)
+    exact = (xq.float() * xs[:, None]) @ weight.t() + linear.bias
+    torch.testing.assert_close(out.reshape(-1, 32), exact, rtol=1e-5, atol=1e-5)
+    ref = linear(x)
+    assert ((out - ref).norm() / ref.norm()) < 0.08  # two FP8 roundings of ~3% each
+    assert layer(torch.empty(0, 64)).shape == (0, 32)
+
+
+def test_quantize_model_keeps_lm_head_and_norms(model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert quantize_model(model) == linears - 1  # every Linear but the lm_head
+    assert type(model.lm_head) is nn.Linear and model.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_merged_projections_compose_with_fp8() -> None:
+    torch.manual_seed(0)
+    parent = nn.Module()
+    names = ("q_proj", "k_proj", "v_proj")
+    for name, rows in zip(names, (64, 32, 32), strict=True):
+        setattr(parent, name, Fp8Linear.from_linear(nn.Linear(64, rows, bias=True)))
+    x = torch.randn(4, 64)
+    separate = torch.cat([getattr(parent, n)(x) for n in names], dim=-1)
+    merged = _merged(parent, names)
+    assert torch.equal(merged(x), separate)  # per-token scales come from the shared input
+    base = parent.q_proj.weight.untyped_storage().data_ptr()
+    for n in names:  # the children keep views of the merged weight and scales
+        child = getattr(parent, n)
+        assert child.weight.untyped_storage().data_ptr() == base
+        assert child.weight_scale.untyped_storage().data_ptr() == (
+            parent.q_proj.weight_scale.untyped_storage().data_ptr()
+        )
+    assert torch.equal(torch.cat([getattr(parent, n)(x) for n in names], dim=-1), separate)
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
+    return [outs[str(i)].output_token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_engine_fp8_on_cpu_warns_and_matches_its_own_model(model_dir, kv: str) -> None:
+    """The engine's probe compares against the model's own forward pass with the same FP8
+    layers (and FP8-rounded keys and values): it passes, and greedy tokens equal the quantized
+    model's own greedy decoding."""
+    from batchgen.engine.attention import attention_scope
+    from batchgen.engine.probe import fp8_kv_reference
+
+    path = model_dir("llama")
+    config = EngineConfig(device="cpu", quantization="fp8", kv_cache_dtype=kv, num_kv_blocks=32)
+    with pytest.warns(UserWarning, match="emulation"):
+        engine = Engine(path, config)
+    prompts = [[5, 9, 30, 7], [11, 12, 13, 14, 15, 16, 17]]
+    got = _greedy(engine, prompts)
+    model = engine.model
+    name = "eager" if kv == "auto" else fp8_kv_reference()
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ids = list(prompt)
+        with attention_scope(model, name), torch.inference_mode():
+            for _ in tokens:
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert ids[len(prompt) :] == tokens
+    assert engine.runner.kv_cache.keys[0].dtype == (FP8_DTYPE if kv == "fp8" else torch.float32)
+    engine.close()
+
+
+def test_fp8_kv_doubles_the_blocks_of_a_budget(model_dir) -> None:
+    path = model_dir("llama")
+    blocks = []
+    for kv in ("auto", "fp8"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype=kv,
+                                  cpu_kv_cache_gib=0.01, check_model=False)  # fmt: skip
+            with Engine(path, config) as engine:
+                blocks.append(engine.num_blocks)
+    assert blocks[1] == 2 * blocks[0]
+
+
+def test_bad_settings_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="quantization='int4' is not allowed"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32)
+    with pytest.raises(BatchgenError, match="not quantized"):
+        Engine(model, EngineConfig(device="cpu", quantization="fp8"))
+
+
+# ------------------------------------------------------------------------ pre-quantized folders
+
+
+def _save_prequantized(src, dst, fmt: str) -> dict[str, torch.Tensor]:
+    """A pre-quantized copy of the 16-bit folder src in format fmt; -> the 16-bit weights."""
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    state = {}
+    for f in src.glob("*.safetensors"):
+        state.update(load_file(f))
+    out, originals = {}, {}
+    for key, tensor in state.items():
+        layer = key.removesuffix(".weight")
+        if key.endswith(".weight") and tensor.dim() == 2 and "layers." in key:
+            originals[layer] = tensor.float()
+            out.update(_quantized_tensors(layer, tensor.float(), fmt))
+        else:
+            out[key] = tensor
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = _quant_config(fmt)
+    (dst / "config.json").write_text(json.dumps(config))
+    return originals
+
+
+def _quantized_tensors(layer: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    if fmt == "ct-channel":
+        q, s = quantize_weight(w)
+        return {f"{layer}.weight": q, f"{layer}.weight_scale": s[:, None]}
+    if fmt == "ct-tensor":
+        s = (w.abs().max() / FP8_MAX).reshape(1)
+        return {f"{layer}.weight": (w / s).to(FP8_DTYPE), f"{layer}.weight_scale": s}
+    # transformers FP8: 32x32 blocks here (the tiny model's layers are 64 wide)
+    n, k = w.shape
+    blocks = w.reshape(n // 32, 32, k // 32, 32).abs().amax((1, 3)) / FP8_MAX
+    full = blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    return {f"{layer}.weight": (w / full).to(FP8_DTYPE), f"{layer}.weight_scale_inv": blocks}
+
+
+def _quant_config(fmt: str) -> dict:
+    if fmt == "fp8-block":
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [32, 32],
+        }
+    strategy = "channel" if fmt == "ct-channel" else "tensor"
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "ct-tensor", "fp8-block"])
+def test_prequantized_folder_loads_the_quantized_weights(model_dir, tmp_path, fmt: str) -> None:
+    """ct-channel: bit for bit what quantizing the 16-bit weights gives. ct-tensor: the stored
+    FP8 values, the one scale per channel. fp8-block: block scales converted per channel, so
+    within two FP8 roundings of the 16-bit weights."""
+    src = model_dir("llama")
+    originals = _save_prequantized(src, tmp_path / fmt, fmt)
+    with pytest.warns(UserWarning, match="emulation"):
+        model = load_model(tmp_path / fmt, torch.device("cpu"), torch.float32)
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert set(fp8) == set(originals) and type(model.lm_head) is nn.Linear
+    for name, layer in fp8.items():
+        w = originals[name]
+        back = dequantize_weight(layer.weight, layer.weight_scale, torch.float32)
+        if fmt == "ct-channel":
+            q, s = quantize_weight(w)
+            assert layer.weight.view(torch.uint8).equal(q.view(torch.uint8))
+            assert torch.equal(layer.weight_scale, s)
+        elif fmt == "ct-tensor":
+            assert (layer.weight_scale == layer.weight_scale[0]).all()
+            assert _within_fp8_error(w, back, layer.weight_scale[:, None])
+        else:
+            twice = torch.maximum(w.abs() * 2 * HALF_ULP * 1.1, layer.weight_scale[:, None] * 2**-9)
+            assert ((back - w).abs() <= twice).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(tmp_path / fmt, EngineConfig(device="cpu", num_kv_blocks=32))
+    assert len(_greedy(engine, [[5, 6, 7]])[0]) == 6  # the model check passed
+    engine.close()
+
+
+def test_unsupported_quantization_refused_in_one_line(model_dir, tmp_path) -> None:
+    src = model_dir("llama")
+    dst = tmp_path / "int4"
+    _save_prequantized(src, dst, "ct-channel")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BatchgenError, match="quantized as 'awq'") as err:
+        load_model(dst, torch.device("cpu"), torch.float32)
+    assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_scaled_mm_matches_the_emulation() -> None:
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(256, 512, bias=True)).cuda()
+    for rows in (1, 7, 64, 300):  # M not a multiple of 16 included
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        got = layer(x.cuda()).float().cpu()
+        cpu = Fp8Linear(layer.weight.cpu(), layer.weight_scale.cpu(), layer.bias.cpu())
+        want = cpu(x.float()).float()
+        assert ((got - want).norm() / want.norm()) < 1e-2  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_engine_fp8_on_gpu_with_graphs(model_dir, kv: str) -> None:
+    path = model_dir("llama", hidden_size=128, intermediate_size=256)
+    config = EngineConfig(quantization="fp8", kv_cache_dtype=kv, num_kv_blocks=64)
+    with Engine(path, config) as engine:  # the model check passes on the GPU too
+        assert engine.runner.graphs is not None
+        prompts = [[5, 9, 30, 7], [11, 12, 13, 14, 15, 16, 17], list(range(20, 60))]
+        graphed = _greedy(engine, prompts)
+    eager = EngineConfig(quantization="fp8", kv_cache_dtype=kv, num_kv_blocks=64,
+                         cuda_graphs=False)  # fmt: skip
+    with Engine(path, eager) as engine:
+        assert _greedy(engine, prompts) == graphed

@@ -1,0 +1,86 @@
+"""FP8 kernels: per-token activation quantization, the FP8 KV write and paged decode reading
+an FP8 cache. In Triton's CPU interpreter without CUDA, compiled with CUDA.
+
+The interpreter's float32 -> float8 cast does not round to nearest (124.4 becomes 64), so on
+the CPU the quantization kernel is checked up to the cast (its float32 output: amax, scale,
+division, clamp) and torch casts; the kernels' own casts (quantization, KV write) are checked
+on the GPU only. Reading an FP8 cache (the cast up) the interpreter does correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine.attention.reference import write_kv_reference
+from batchgen.engine.kernels import paged_decode, write_kv
+from batchgen.engine.kernels.fp8_quant import (
+    launch_quantize_rows,
+    quantize_rows_triton,
+)
+from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows_reference
+from tests import test_kernels as tk  # sets TRITON_INTERPRET and adapts the interpreter
+
+DEVICES = tk.DEVICES
+
+
+def _rows() -> torch.Tensor:
+    x = torch.randn(5, 4096 + 96, dtype=torch.bfloat16)  # wider than one block: two loops
+    x[1] *= 300.0  # rows of very different ranges
+    x[2] = 0.0  # an all-zero row stays zero
+    x[3, 7] = -5000.0  # an outlier sets its row's scale
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_rows_kernel_before_the_cast(device: str) -> None:
+    dev = tk._device(device)
+    x = _rows()
+    scaled = torch.empty(x.shape, dtype=torch.float32, device=dev)
+    s = torch.empty(x.shape[0], dtype=torch.float32, device=dev)
+    launch_quantize_rows(x.to(dev), scaled, s)
+    q_ref, s_ref = quantize_rows_reference(x)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert abs(scaled[3, 7] + FP8_MAX) < 1e-3 and (scaled[2] == 0).all()
+    assert scaled.abs().max() <= FP8_MAX
+    cast = scaled.cpu().to(FP8_DTYPE).float()
+    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+
+
+@pytest.mark.gpu
+def test_quantize_rows_kernel_casts_like_torch() -> None:
+    x = _rows()
+    q, s = quantize_rows_triton(x.cuda())
+    q_ref, s_ref = quantize_rows_reference(x)
+    assert q.dtype == FP8_DTYPE
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert (q.cpu().float() == q_ref.float()).float().mean() > 0.999
+
+
+@pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)
+def test_write_kv_fp8_saturates_like_reference() -> None:
+    dev = torch.device("cuda")
+    cache, _ = tk.paged_setup([40], kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    kc, vc = cache.keys[0], cache.values[0]
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    k, v = torch.randn(2, 7, 2, 64, dtype=torch.bfloat16).to(dev)
+    k[0, 0, 0] = 1000.0  # beyond E4M3's range: stored as 448, never NaN
+    slots = torch.tensor([3, -1, 17, 47, -1, 16, 0], device=dev)
+    write_kv(k, v, kc, vc, slots)
+    write_kv_reference(kc_ref, vc_ref, k, v, slots)
+    assert kc.view(torch.uint8).equal(kc_ref.view(torch.uint8))
+    assert vc.view(torch.uint8).equal(vc_ref.view(torch.uint8))
+    assert kc.float().view(-1, 2, 64)[3, 0, 0] == FP8_MAX
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_fp8_cache(device: str, num_splits: int) -> None:
+    dev = tk._device(device)
+    ctx_lens = [37, 5, 64]
+    cache, tables = tk.paged_setup(ctx_lens, kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    q = tk.strided_q(len(ctx_lens), 4, 64, torch.bfloat16, dev)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    out = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 64**-0.5,
+                       num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
+    ref = tk.reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens)  # float32 from fp8
+    assert tk.rel_err(out, ref) < tk.BF16_TOL
