@@ -104,8 +104,10 @@ def main() -> None:
             doc = tok(json.dumps(EXAMPLE_VALUE), add_special_tokens=False).input_ids
             for engine, fn in (("xgrammar", bench_xgrammar), ("llguidance", bench_llguidance)):
                 rows.append((name, engine, len(doc), fn(tok, doc)))
-    print(f"| tokenizer | engine | doc tokens | setup ms | compile ms | mask/token ms | "
-          f"fill {BATCH} ms |")
+    print(
+        f"| tokenizer | engine | doc tokens | setup ms | compile ms | mask/token ms | "
+        f"fill {BATCH} ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, engine, n, r in rows:
         print(
