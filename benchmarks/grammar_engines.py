@@ -25,6 +25,9 @@ from batchgen.engine.grammar import EXAMPLE_SCHEMA, EXAMPLE_VALUE
 from batchgen.models.tiny import build_tokenizer
 
 BATCH = 64
+# a raw control character inside a maxLength string: invalid JSON that a grammar must refuse
+# (each engine's compact separators: xgrammar writes ": ", llguidance ":")
+BAD_DOC = {"xgrammar": '{"title": "\x1f', "llguidance": '{"title":"\x1f'}
 
 
 def _timed(fn, repeat: int = 1) -> float:
@@ -62,6 +65,9 @@ def bench_xgrammar(tokenizer, doc: list[int]) -> dict[str, float]:
     batch = xgr.BatchGrammarMatcher(max_threads=2)
     out["batch_fill_ms"] = _timed(lambda: batch.batch_fill_next_token_bitmask(matchers, mask), 5)
     out["batch_fill_ms"] *= 1e3
+    bad = tokenizer(BAD_DOC["xgrammar"], add_special_tokens=False).input_ids
+    fresh = xgr.GrammarMatcher(compiler.compile_json_schema(schema, any_whitespace=False))
+    out["refuses_bad"] = not all(fresh.accept_token(t) for t in bad)
     return out
 
 
@@ -89,6 +95,12 @@ def bench_llguidance(tokenizer, doc: list[int]) -> dict[str, float]:
     pairs = [(m, i) for i, m in enumerate(matchers)]
     fill = lambda: llguidance.torch.fill_next_token_bitmask_par(executor, pairs, mask)  # noqa: E731
     out["batch_fill_ms"] = _timed(fill, 5) * 1e3
+    bad = tokenizer(BAD_DOC["llguidance"], add_special_tokens=False).input_ids
+    compact = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(EXAMPLE_SCHEMA), {"whitespace_flexible": False}
+    )
+    fresh = llguidance.LLMatcher(lltok, compact, log_level=0)
+    out["refuses_bad"] = not fresh.consume_tokens(bad) or fresh.is_error()
     return out
 
 
@@ -106,13 +118,13 @@ def main() -> None:
                 rows.append((name, engine, len(doc), fn(tok, doc)))
     print(
         f"| tokenizer | engine | doc tokens | setup ms | compile ms | mask/token ms | "
-        f"fill {BATCH} ms |"
+        f"fill {BATCH} ms | refuses a raw control char in a maxLength string |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, engine, n, r in rows:
         print(
             f"| {name} | {engine} | {n} | {r['setup_ms']:.0f} | {r['compile_ms']:.1f} | "
-            f"{r['token_ms']:.3f} | {r['batch_fill_ms']:.2f} |"
+            f"{r['token_ms']:.3f} | {r['batch_fill_ms']:.2f} | {r['refuses_bad']} |"
         )
 
 
