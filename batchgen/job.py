@@ -171,6 +171,10 @@ def run_job(
             raise BatchgenError(
                 f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one"
             )
+        try:  # a job-wide schema that cannot be compiled is one error, not one per row
+            engine.check_grammar(spec.sampling)
+        except ValueError as exc:
+            raise BatchgenError(f"[sampling] {exc}") from None
         current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
         check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
         resuming = claim(layout, spec, current, previous)

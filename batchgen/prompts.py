@@ -26,6 +26,7 @@ class PromptConfig:
     max_new_tokens_column: str | None = None
     temperature_column: str | None = None
     seed_column: str | None = None
+    json_schema_column: str | None = None  # a JSON schema per row (object or JSON text)
     sampling_column: str | None = None  # a column of per-row sampling overrides (dict or JSON)
     passthrough: tuple[str, ...] = field(default=())  # input columns copied to the output
     truncate: str = "error"  # a prompt over the context: error row, or keep the left/right part
@@ -59,6 +60,7 @@ class PromptConfig:
             self.max_new_tokens_column,
             self.temperature_column,
             self.seed_column,
+            self.json_schema_column,
             *self.passthrough,
         ]
         if self.template is not None:
@@ -231,6 +233,7 @@ class PromptBuilder:
             "max_new_tokens": cfg.max_new_tokens_column,
             "temperature": cfg.temperature_column,
             "seed": cfg.seed_column,
+            "json_schema": cfg.json_schema_column,
         }
         out = _sampling_dict(values.get(cfg.sampling_column), cfg.sampling_column)
         picked = {key: values.get(col) for key, col in columns.items() if col is not None}

@@ -7,6 +7,8 @@ import os
 import time
 from array import array
 from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from threading import Event
 from typing import Any
@@ -17,6 +19,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fingerprint import model_fingerprint
+from batchgen.engine.grammar import Grammars, grammar_spec
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
@@ -122,6 +125,8 @@ class Engine:
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         self.profiler: StepProfiler | None = None  # told of every step (batchgen/profile)
+        self.grammars: Grammars | None = None  # made when a structured output first comes
+        self._compiling: list[tuple[list[Request], Future]] = []  # samples waiting for a grammar
         if self.config.check_model:
             try:
                 check_model(self)  # a model batchgen would run wrongly is refused here
@@ -159,7 +164,7 @@ class Engine:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(self.scheduler.waiting) < self.config.max_num_seqs:
+                while not exhausted and self._num_waiting() < self.config.max_num_seqs:
                     item = next(source, _END)
                     if item is _END:
                         exhausted = True
@@ -202,15 +207,75 @@ class Engine:
         samples = [  # each sample its own Request: they share the prompt, never any state
             Request(*args, sample_index=i, num_samples=n, rng_key=_mix(seed, i)) for i in range(n)
         ]
+        spec = grammar_spec(params)
+        if spec is None:
+            self.scheduler.add_samples(samples[0], samples[1:])
+            return None
+        future = self._grammars().submit(spec)  # compiled in a thread, once per spec
+        if future.done():
+            return self._settle(samples, future)
+        self._compiling.append((samples, future))
+        return None
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile params' structured output now (cached for its requests); ValueError saying
+        why it cannot be compiled. For a job's [sampling]: one error, not one per row."""
+        spec = grammar_spec(params)
+        if spec is not None:
+            self._grammars().submit(spec).result()
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            self.grammars = Grammars(
+                self.tokenizer,
+                self.shape.vocab_size,
+                self.eos_token_ids,
+                self.config.max_num_seqs,
+                self.device,
+            )
+        return self.grammars
+
+    def _admit_compiled(self, wait: float) -> list[RequestOutput]:
+        """Samples whose grammar is compiled enter the scheduler (each with its own matcher);
+        a grammar that cannot be compiled ends its request as an error. Waits up to `wait` s."""
+        if not self._compiling:
+            return []
+        if wait > 0:
+            wait_futures([f for _, f in self._compiling], wait, return_when=FIRST_COMPLETED)
+        errors, still = [], []
+        for samples, future in self._compiling:
+            if not future.done():
+                still.append((samples, future))
+            elif (error := self._settle(samples, future)) is not None:
+                errors.append(error)
+        self._compiling = still
+        return errors
+
+    def _settle(self, samples: list[Request], future: Future) -> RequestOutput | None:
+        """A compiled grammar's samples go to the scheduler; a failed one's request ends."""
+        request_id, problem = samples[0].request_id, future.exception()
+        if problem is not None:
+            del self._live[request_id]
+            return RequestOutput(request_id, [], [], "error", f"request {request_id}: {problem}")
+        for sample in samples:
+            sample.grammar = self.grammars.matcher(future.result())
         self.scheduler.add_samples(samples[0], samples[1:])
         return None
+
+    def _num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def _check_open(self) -> None:
         if self.runner is None:
             raise RuntimeError("this engine is closed: create a new one")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or bool(self._held)
+        return (
+            self.scheduler.has_work()
+            or self._in_flight is not None
+            or bool(self._held)
+            or bool(self._compiling)
+        )
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -222,13 +287,15 @@ class Engine:
         profiler = self.profiler
         if profiler is not None:
             profiler.schedule_begin()
+        quiet = not self.scheduler.has_work() and self._in_flight is None and not self._held
+        finished = self._admit_compiled(VERDICT_WAIT_S if quiet else 0.0)
         batch = self.scheduler.schedule()
         if profiler is not None and batch.chunks:
             profiler.scheduled(batch)
         elif profiler is not None:
             profiler.empty()
         try:
-            launched = (batch, self.runner.launch(batch)) if batch.chunks else None
+            launched, done = self._launch(batch)
         except BaseException:
             self.blocks.clear_cache()  # blocks cached for this step may never be written
             raise
@@ -236,11 +303,32 @@ class Engine:
             previous = launched
         else:
             previous, self._in_flight = self._in_flight, launched
-        idle = previous is None and launched is None
+        idle = previous is None and launched is None and not done
         if idle and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress with nothing in flight")
-        finished = self._postprocess(*previous) if previous is not None else []
+        finished += done + (self._postprocess(*previous) if previous is not None else [])
         return finished + self._apply_verdicts(VERDICT_WAIT_S if idle else 0.0)
+
+    def _launch(self, batch: Batch) -> tuple[tuple[Batch, StepOutput] | None, list[RequestOutput]]:
+        """-> the launched step (None for an empty batch), and the results of the step that was
+        in flight when this one holds structured outputs.
+
+        Such a step's token bitmask needs every earlier token of its samples on the host. So
+        its forward is queued first; while the device runs it, the step in flight is
+        post-processed (its tokens reach the matchers), the bitmask is filled on the host and
+        copied without blocking, and then the sampler is queued with it. Steps without
+        structured outputs launch in one go, as before.
+        """
+        if not batch.chunks:
+            return None, []
+        rows = [c.request for c in batch.chunks if c.samples]
+        if self.grammars is None or all(r.grammar is None for r in rows):
+            return (batch, self.runner.launch(batch)), []
+        begun = self.runner.begin(batch)
+        previous, self._in_flight = self._in_flight, None
+        done = self._postprocess(*previous) if previous is not None else []
+        mask = self.grammars.fill(rows, begun.logits.shape[0])
+        return (batch, self.runner.sample(begun, mask)), done
 
     def close(self) -> None:
         """Drop queued work, give a caller's model back unchanged, and release the device
@@ -249,6 +337,9 @@ class Engine:
             return
         self.abort_all()
         self.stops.close()
+        if self.grammars is not None:
+            self.grammars.close()
+            self.grammars = None
         self.runner.close()
         self.runner = None
         if self._owns_model:
@@ -290,6 +381,7 @@ class Engine:
                     self.stops.feed(request, (), final=True)  # the watcher forgets it
                 self.scheduler.finish(request, "error")
         self._held.clear()
+        self._compiling.clear()
         self._live.clear()
         self.blocks.check_invariants()
 
@@ -401,6 +493,8 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
+        if params.structured and self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer: pass one")
         key = request_id if prompt.seed_key is None else str(prompt.seed_key)
         seed = params.seed if params.seed is not None else self._derived_seed(key)
         return ids, params, seed, max_tokens

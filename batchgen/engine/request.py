@@ -60,6 +60,7 @@ class Request:
     text: str | None = None  # output text cut at a stop string, once one matched
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     children: list[Request] = field(default_factory=list)  # samples waiting for this prompt
+    grammar: Any = None  # GrammarState (engine/grammar.py) of a structured output, else None
 
     @functools.cached_property
     def sampling_constants(self) -> tuple[tuple[int, ...], tuple[float, ...]]:

@@ -6,7 +6,7 @@ import contextlib
 import warnings
 from functools import partial
 from itertools import pairwise
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -26,7 +26,7 @@ from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
 from batchgen.engine.step_inputs import HostStep, prepare_step
-from batchgen.engine.step_layout import Layout, unpack_sampling, unpack_step
+from batchgen.engine.step_layout import Layout, SamplingInputs, unpack_sampling, unpack_step
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
@@ -85,6 +85,17 @@ def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
             stacklevel=2,
         )
         return None
+
+
+class Begun(NamedTuple):
+    """A step whose forward is queued and whose sampling is not (ModelRunner.begin)."""
+
+    host: HostStep
+    sampling: SamplingInputs
+    logits: torch.Tensor  # [S, vocab] of the sampled rows, padding rows included
+    mark: Any  # the step hook's begin() value
+    graphed: bool
+    num_samples: int  # real sampled rows (the first ones)
 
 
 class StepHook(Protocol):
@@ -159,9 +170,14 @@ class ModelRunner:
         ):
             self.graphs = _capture_or_warn(self)
 
-    @torch.inference_mode()
     def launch(self, batch: Batch) -> StepOutput:
         """Queue the step's work on the device; the returned tokens arrive on the host later."""
+        return self.sample(self.begin(batch))
+
+    @torch.inference_mode()
+    def begin(self, batch: Batch) -> Begun:
+        """Queue the step's inputs and forward pass; sample() queues the rest. Between the two
+        the host may fill a token bitmask while the device runs the forward."""
         pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
         host, staged = prepare_step(batch, pad_to, self.pad_slot)
         for request, synced in host.synced:  # the new block-table entries are on their way
@@ -175,14 +191,22 @@ class ModelRunner:
         if host.flags.any_penalty or host.layout.R:
             self._penalty_state().update_known(sampling)
         logits = self.graphs.replay(flat, host) if pad_to else self.forward(flat, host)
+        return Begun(host, sampling, logits, mark, bool(pad_to), batch.num_samples)
+
+    @torch.inference_mode()
+    def sample(self, begun: Begun, mask: torch.Tensor | None = None) -> StepOutput:
+        """Queue the sampler (mask: [S, words] int32 token bitmask or None) and the copy back."""
+        host, sampling = begun.host, begun.sampling
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         logprobs = None
         if host.layout.S:
-            tokens, logprobs = self.sampler(logits, sampling, host.flags, self.penalties)
+            tokens, logprobs = self.sampler(
+                begun.logits, sampling, host.flags, self.penalties, mask
+            )
             self.relay[sampling.slots] = tokens
         if self.step_hook is not None:
-            self.step_hook.end(mark, graphed=bool(pad_to))
-        real = batch.num_samples
+            self.step_hook.end(begun.mark, graphed=begun.graphed)
+        real = begun.num_samples
         return self.transfer.finish(tokens[:real], None if logprobs is None else logprobs[:real])
 
     def _penalty_state(self) -> PenaltyState:

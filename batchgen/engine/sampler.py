@@ -117,8 +117,12 @@ class Sampler:
         s: SamplingInputs,
         flags: SamplingFlags,
         penalties: PenaltyState | None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits: [S, V] -> (tokens [S] int64, logprob pack [S, 1 + 2k] float32 or None)."""
+        """logits: [S, V] -> (tokens [S] int64, logprob pack [S, 1 + 2k] float32 or None).
+
+        mask: [S, ceil(V / 32)] int32 token bitmask of structured outputs (None = no row has
+        one), applied after the bans: a disallowed token's logit is -inf."""
         raw = logits
         if flags.any_penalty and penalties is not None:
             logits = penalties.apply(logits.float(), s)
@@ -127,6 +131,8 @@ class Sampler:
             logits = logits.index_put(
                 (s.bans[:, 0], s.bans[:, 1]), logits.new_full((), float("-inf"))
             )
+        if mask is not None:
+            logits = apply_token_bitmask(logits, mask)
         tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if flags.any_random:
             scaled = logits.float() / s.temperature.float().clamp(min=1e-6)[:, None]
@@ -139,6 +145,17 @@ class Sampler:
         if penalties is not None and flags.any_penalty:
             penalties.count_sampled(s, tokens)
         return tokens, _logprob_pack(raw, tokens, flags.logprobs_k)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits: [S, V]; mask: [S, W >= V / 32] int32, bit t of word w allows token 32 * w + t.
+    -> logits with disallowed tokens at -inf. Device ops only: read as bytes (little-endian:
+    bit k of byte b is token 8 * b + k), so the [S, 8 W] x 8 expansion is bytes, not words."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (mask.view(torch.uint8)[:, :, None] >> shifts) & 1  # [S, 4 W, 8]
+    allowed = bits.view(rows, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _logprob_pack(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -31,6 +32,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token's and the top k's logprobs
+    # structured outputs (at most one): the output must match it (see engine/grammar.py)
+    json_schema: str | dict | None = None  # a JSON schema, as an object or its JSON text
+    regex: str | None = None  # the whole output matches this regular expression
+    choice: tuple[str, ...] = ()  # the output is exactly one of these strings
+    json_object: bool = False  # the output is any JSON value
 
     def __post_init__(self) -> None:
         """Lists become tuples and a lone stop string a one-element tuple; anything else that
@@ -41,6 +47,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json_schema, dict):  # kept as text: hashable, the order kept
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         for problem in _problems(self):
             raise ValueError(problem)
 
@@ -50,6 +60,14 @@ class SamplingParams:
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def structured(self) -> bool:
+        """The output must match a schema, regex, choice or be JSON."""
+        return (
+            bool(self.json_schema is not None or self.regex is not None or self.choice)
+            or self.json_object is True
         )
 
     def replace(self, **overrides: Any) -> SamplingParams:
@@ -84,6 +102,8 @@ MAX_N = 128  # samples of one prompt, as the OpenAI API allows
 MAX_TOKENS = 2**31 - 1  # any token count or id
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device
 MAX_STOP = 64  # stop strings or stop token ids of one request
+MAX_CHOICES = 1024  # strings of one `choice`
+STRUCTURED = ("json_schema", "regex", "choice", "json_object")
 
 
 def _is_int(v: Any, low: int = 0, high: int = MAX_TOKENS) -> bool:
@@ -151,7 +171,64 @@ def _problems(p: SamplingParams) -> list[str]:
         out.append(
             f"min_new_tokens={p.min_new_tokens} must be <= max_new_tokens={p.max_new_tokens}"
         )
-    return out
+    return out or _structured_problems(p)
+
+
+def _structured_problems(p: SamplingParams) -> list[str]:
+    """json_schema / regex / choice / json_object: their values and what they cannot go with."""
+    rules = [
+        (
+            "json_schema",
+            p.json_schema is None or _schema_ok(p.json_schema),
+            "be a JSON object (a JSON schema), or its JSON text",
+        ),
+        (
+            "regex",
+            p.regex is None or (isinstance(p.regex, str) and p.regex),
+            "be a non-empty string",
+        ),
+        (
+            "choice",
+            isinstance(p.choice, tuple)
+            and len(p.choice) <= MAX_CHOICES
+            and all(isinstance(c, str) and c for c in p.choice),
+            f"be a list of at most {MAX_CHOICES} non-empty strings",
+        ),
+        ("json_object", isinstance(p.json_object, bool), "be true/false"),
+    ]
+    out = [f"{name}={_show(getattr(p, name))} must {rule}" for name, ok, rule in rules if not ok]
+    given = [name for name in STRUCTURED if getattr(p, name) not in (None, (), False)]
+    if out or not given:
+        return out
+    if len(given) > 1:
+        return [f"{' and '.join(given)} are given: a request takes at most one of them"]
+    if p.min_new_tokens:
+        return [
+            f"min_new_tokens={p.min_new_tokens} cannot be combined with {given[0]}: the "
+            "grammar decides where the output ends (set min_new_tokens to 0)"
+        ]
+    if p.ignore_eos:
+        return [
+            f"ignore_eos cannot be combined with {given[0]}: a structured output ends with "
+            "the end-of-sequence token once its grammar is complete"
+        ]
+    return []
+
+
+def _schema_text(schema: dict) -> str | dict:
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return schema  # not JSON: _problems names it
+
+
+def _schema_ok(schema: Any) -> bool:
+    if not isinstance(schema, str):
+        return False
+    try:
+        return isinstance(json.loads(schema), dict)
+    except ValueError:
+        return False
 
 
 def _show(value: Any) -> str:

@@ -46,6 +46,9 @@ SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
 }
 OPENAI_DEFAULTS = {
     "temperature": 1.0,
@@ -73,13 +76,13 @@ HARMLESS: dict[str, tuple[Any, ...] | None] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+RESPONSE_FORMAT = "response_format"  # text, json_object or json_schema (structured outputs)
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 CHAT_ONLY |= {"functions", "function_call", "response_format", "modalities"}
 CHAT_ONLY |= {"parallel_tool_calls", "store", "metadata", "service_tier"}
@@ -150,6 +153,7 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     wrong = CHAT_ONLY if url == COMPLETIONS_URL else COMPLETIONS_ONLY
     for field, value in body.items():
         known = field in SAMPLING_FIELDS or field in HARMLESS or field in LOGPROB_FIELDS
+        known = known or field == RESPONSE_FORMAT
         if field in wrong or not (known or field in ("model", "messages", "prompt")):
             raise RequestError(
                 "unknown_parameter", f"unknown or unsupported body field {field!r} for {url}", field
@@ -194,9 +198,39 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if logprobs is not None:
         out["logprobs"] = logprobs
         source["logprobs"] = "top_logprobs" if "top_logprobs" in given else "logprobs"
+    if RESPONSE_FORMAT in given:
+        field, value = _response_format(given[RESPONSE_FORMAT])
+        if field is not None:
+            out[field] = value
+            source[field] = RESPONSE_FORMAT
     for field, key in source.items():
         _check_value(key, field, out[field])
     return out
+
+
+def _response_format(value: Any) -> tuple[str | None, Any]:
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}} ->
+    (SamplingParams field, value), or (None, None) for text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return "json_object", True
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        schema = schema.get("schema") if isinstance(schema, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError(
+                "invalid_value",
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+                RESPONSE_FORMAT,
+            )
+        return "json_schema", schema
+    raise RequestError(
+        "invalid_value",
+        f"{RESPONSE_FORMAT}={value!r} must have type text, json_object or json_schema",
+        RESPONSE_FORMAT,
+    )
 
 
 def _logprobs(url: str, body: dict[str, Any]) -> int | None:

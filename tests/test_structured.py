@@ -1,0 +1,182 @@
+"""Structured outputs on the tiny random-weight model, whose free text is gibberish: every row
+under a schema, regex or choice must still match it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.engine.grammar import EXAMPLE_SCHEMA
+from batchgen.engine.request import Prompt
+from batchgen.engine.sampler import apply_token_bitmask
+from batchgen.formats.openai_batch.requests import parse_request
+from batchgen.job import run_job
+from tests.test_job import read_rows, spec_for, write_jsonl
+
+jsonschema = pytest.importorskip("jsonschema")
+REGEX = r"[a-z]{2,6}-[0-9]{2}"
+CHOICES = ("yes", "no", 'it "depends"')
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
+LIMIT = 160  # tokens: the example schema's longest document fits
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir) -> dict[bool, Engine]:
+    """overlap -> engine (the synchronous loop is the oracle)."""
+    path = model_dir("llama")
+    made = {o: Engine(path, EngineConfig(device="cpu", overlap=o, max_num_seqs=6)) for o in (1, 0)}
+    yield {bool(k): v for k, v in made.items()}
+    for engine in made.values():
+        engine.close()
+
+
+def _mixed_prompts() -> list[Prompt]:
+    """Schema rows (greedy, seeded, n=2), regex, choice, json_object, plain and bad ones."""
+    schema = {"json_schema": EXAMPLE_SCHEMA}
+    rows = [
+        ("s-greedy", schema),
+        ("s-seeded", {**schema, "temperature": 1.0, "seed": 3, "n": 2}),
+        ("s-topk", {**schema, "temperature": 0.9, "top_k": 20, "seed": 4}),
+        ("regex", {"regex": REGEX, "temperature": 1.0, "seed": 5}),
+        ("choice", {"choice": CHOICES, "temperature": 1.0, "seed": 6}),
+        # free JSON keys run long on this model: a draw that closes its object within LIMIT
+        ("object", {"json_object": True, "temperature": 1.5, "seed": 7}),
+        ("plain", {"temperature": 1.0, "seed": 8, "max_new_tokens": 20}),
+        ("bad-schema", {"json_schema": BAD_SCHEMA}),
+        ("bad-regex", {"regex": "(unclosed"}),
+    ]
+    return [Prompt(f"Row {name} says", name, sampling) for name, sampling in rows]
+
+
+def _run(engine: Engine, prompts: list[Prompt]) -> dict[tuple[str, int], object]:
+    params = SamplingParams(max_new_tokens=LIMIT)
+    return {(o.request_id, o.sample_index): o for o in engine.generate(prompts, params)}
+
+
+def _check_mixed(out: dict) -> None:
+    for key in [("s-greedy", 0), ("s-seeded", 0), ("s-seeded", 1), ("s-topk", 0)]:
+        assert out[key].finish_reason == "stop", (key, out[key].text)
+        jsonschema.validate(json.loads(out[key].text), EXAMPLE_SCHEMA)
+    assert out["s-seeded", 0].text != out["s-seeded", 1].text  # each sample its own draw
+    assert re.fullmatch(REGEX, out["regex", 0].text), out["regex", 0].text
+    assert out["choice", 0].text in CHOICES
+    assert out["object", 0].finish_reason == "stop"
+    assert isinstance(json.loads(out["object", 0].text), dict)
+    for name, what in (("bad-schema", "json_schema"), ("bad-regex", "regex")):
+        bad = out[name, 0]
+        assert bad.finish_reason == "error" and f"{what} cannot be compiled" in bad.error
+        assert "\n" not in bad.error
+
+
+def test_every_structured_row_matches_and_overlap_equals_sync(engines) -> None:
+    overlapped, synchronous = _run(engines[True], _mixed_prompts()), None
+    _check_mixed(overlapped)
+    synchronous = _run(engines[False], _mixed_prompts())
+    assert {k: o.text for k, o in overlapped.items()} == {k: o.text for k, o in synchronous.items()}
+    free = overlapped["plain", 0].text  # the model's own text would not match anything
+    assert not re.fullmatch(REGEX, free) and free not in CHOICES
+
+
+def test_seeded_rows_repeat_at_any_batch_composition(engines) -> None:
+    engine = engines[True]
+    alone = _run(engine, [p for p in _mixed_prompts() if p.request_id == "s-seeded"])
+    crowd = _run(engine, _mixed_prompts()[::-1])
+    assert alone["s-seeded", 1].text == crowd["s-seeded", 1].text
+    again = _run(engine, _mixed_prompts())
+    assert again["s-greedy", 0].text == crowd["s-greedy", 0].text
+
+
+def test_a_cut_output_ends_length_not_stop(engines) -> None:
+    prompt = Prompt("Cut short", "cut", {"json_schema": EXAMPLE_SCHEMA, "max_new_tokens": 5})
+    (out,) = _run(engines[True], [prompt]).values()
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 5
+
+
+def test_bitmask_bit_order_matches_llguidance() -> None:
+    llg_torch = pytest.importorskip("llguidance.torch")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int32)
+    expected = logits.clone()
+    llg_torch.apply_token_bitmask_inplace(expected, mask)
+    assert torch.equal(apply_token_bitmask(logits, mask), expected)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"json_schema": "[1]"}, "json_schema='[1]' must be a JSON object"),
+        ({"regex": "a", "choice": ["b"]}, "regex and choice are given"),
+        ({"choice": ["ok", ""]}, "choice=('ok', '') must be a list"),
+        ({"json_object": True, "min_new_tokens": 2}, "cannot be combined with json_object"),
+        ({"regex": "a", "ignore_eos": True}, "ignore_eos cannot be combined with regex"),
+    ],
+)
+def test_bad_structured_settings_name_the_field(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**fields)
+
+
+def test_schema_object_or_text_is_one_setting() -> None:
+    text = json.dumps(EXAMPLE_SCHEMA)
+    assert SamplingParams(json_schema=EXAMPLE_SCHEMA) == SamplingParams(json_schema=text)
+
+
+def test_openai_response_format_maps_onto_sampling() -> None:
+    def line(**body: object) -> dict:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+        obj = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        return parse_request(obj, None, 1)
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": EXAMPLE_SCHEMA}}
+    assert line(response_format=fmt)["sampling"]["json_schema"] == EXAMPLE_SCHEMA
+    assert line(response_format={"type": "json_object"})["sampling"]["json_object"] is True
+    assert "json_object" not in line(response_format={"type": "text"})["sampling"]
+    assert line(guided_choice=["a", "b"])["sampling"]["choice"] == ("a", "b")
+    for bad in ({"type": "yaml"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+        row = line(response_format=bad)
+        assert (row["error_code"], row["error_param"]) == ("invalid_value", "response_format")
+
+
+def test_job_schema_column_and_bad_schemas(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama")
+    rows = [{"prompt": f"Item {i}", "schema": EXAMPLE_SCHEMA} for i in range(3)]
+    rows.append({"prompt": "Broken", "schema": json.dumps(BAD_SCHEMA)})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    limit = f"sampling.max_new_tokens={LIMIT}"
+    run_job(spec_for(model, inp, tmp_path / "out", "prompt.json_schema_column='schema'", limit))
+    out = read_rows(tmp_path / "out")
+    for row in out[:3]:
+        assert row["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(row["text"]), EXAMPLE_SCHEMA)
+    assert out[3]["finish_reason"] == "error" and "cannot be compiled" in out[3]["error"]
+    job_wide = f"sampling.json_schema={json.dumps(json.dumps(BAD_SCHEMA))}"
+    with pytest.raises(BatchgenError, match=r"^\[sampling\] json_schema cannot be compiled"):
+        run_job(spec_for(model, inp, tmp_path / "out2", job_wide))
+
+
+@pytest.mark.gpu
+def test_structured_rows_on_the_gpu_overlap_equals_sync(model_dir) -> None:
+    """The pinned mask buffer, its copy and CUDA graphs; draws differ from the CPU's, so only
+    what holds for any draw is asserted."""
+    path = model_dir("llama")
+    texts = {}
+    for overlap in (True, False):
+        config = EngineConfig(device="cuda", overlap=overlap, max_num_seqs=6)
+        with Engine(path, config) as engine:
+            prompts = [p for p in _mixed_prompts() if not p.request_id.startswith("bad")]
+            params = SamplingParams(max_new_tokens=400)
+            out = {(o.request_id, o.sample_index): o for o in engine.generate(prompts, params)}
+        texts[overlap] = {k: o.text for k, o in out.items()}
+        for key, o in out.items():
+            assert o.finish_reason in ("stop", "length"), key
+            if key[0].startswith("s-") and o.finish_reason == "stop":
+                jsonschema.validate(json.loads(o.text), EXAMPLE_SCHEMA)
+        assert re.fullmatch(REGEX, out["regex", 0].text)
+        assert out["choice", 0].text in CHOICES
+    assert texts[True] == texts[False]
