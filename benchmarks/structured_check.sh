@@ -4,7 +4,7 @@
 #   bash benchmarks/structured_check.sh        # logs and the table go to $OUT
 # Needs llguidance (pip install llguidance) next to batchgen's requirements.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 BATCHGEN_HOME=/tmp/bh
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 BATCHGEN_HOME=${BATCHGEN_HOME:-/tmp/bh}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import llguidance, torch; print('llguidance', llguidance.get_version() if hasattr(llguidance, 'get_version') else '?', 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
