@@ -7,6 +7,8 @@ its own rows are:
   or not at all without an id column (its row count comes from the footer);
 - JSONL: every line is passed over as bytes to count it, but only the rank's own lines are
   decoded and parsed, and the others only when the job has an id column (for the id alone).
+  A line's row index is its count of non-blank lines before it, so a rank cannot seek to its
+  first line without such a pass (the input's fingerprint reads every byte at open anyway).
 A row read whole comes as readers.py gives it; any other as {id_column: value}, or {}
 without an id column (None and its error for a JSONL line that cannot be parsed).
 """
@@ -74,7 +76,7 @@ def _parquet_file_rows(
                     own = rows.reads(index)
                     yield readers.project(values, columns) if own else _id(values, id_column), None
                     index += 1
-        elif ids:  # the id column alone: a duplicate of a later row is still flagged
+        elif ids:  # the id column alone: a later row with one of these ids is a duplicate
             for batch in pf.iter_batches(
                 batch_rows, row_groups=[group], columns=ids, use_threads=False
             ):
