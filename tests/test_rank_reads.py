@@ -7,14 +7,19 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from threading import Event
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen import BatchgenError
-from batchgen.io import InputConfig, open_input
+from batchgen import BatchgenError, Engine
+from batchgen.io import InputConfig, OutputLayout, open_input
+from batchgen.io.checkpoint import scan_committed
+from batchgen.job import run_job
 from batchgen.row_share import RankRows, RowShare
+from batchgen.spec import load_spec
+from tests.helpers import stop_after
 from tests.test_row_share import run_producer
 
 ROWS, GROUP_ROWS, WORLD = 23, 4, 3
@@ -139,3 +144,43 @@ def test_duplicate_ids_are_flagged_alike_when_each_rank_reads_its_part(tmp_path,
         assert sorted(r.index for r in together) == sorted(alone), world
         for row in together:
             assert (row.id, row.error) == (alone[row.index].id, alone[row.index].error)
+
+
+def test_a_resumed_job_reads_only_the_ids_of_its_committed_row_groups(
+    model_dir, tmp_path, monkeypatch
+):
+    """The job wires the share into the reader: alone, on a resume, a row group whose rows
+    are all committed is read for its id column only (every read is recorded)."""
+    ids = [f"row-{i}" for i in range(12)]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(table(ids), inp, row_group_size=2)
+    out = tmp_path / "out"
+    sets = [
+        f"model.path={json.dumps(str(model_dir('llama')))}",
+        f"input.path={json.dumps(str(inp))}",
+        f"output.dir={json.dumps(str(out))}",
+        "runtime.quiet=true",
+        "runtime.device='cpu'",
+        "prompt.id_column='uid'",
+        "sampling.max_new_tokens=4",
+        "output.shard_rows=2",
+        "runtime.max_num_seqs=2",
+    ]
+    spec = load_spec(None, sets)
+    first = run_job(spec, engine=stop_after(Engine(spec.model.path, spec.engine), 4), stop=Event())
+    assert first.interrupted and 0 < first.rows_committed < 12
+    done = scan_committed(OutputLayout(out), print).indexes
+    reads: list[tuple[list[int], list[str]]] = []  # (row groups, columns) per read
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def recorded(self, batch_size, row_groups=None, columns=None, **kwargs):
+        if "prompt" in self.schema_arrow.names:  # the input, not a shard
+            reads.append((row_groups, columns))
+        return iter_batches(self, batch_size, row_groups, columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recorded)
+    assert run_job(load_spec(None, sets)).complete
+    results = pq.read_table(out / "results.parquet").to_pylist()
+    assert sorted(r["id"] for r in results) == sorted(ids)
+    wanted = [([g], ["prompt", "uid"] if {2 * g, 2 * g + 1} - done else ["uid"]) for g in range(6)]
+    assert sorted(reads) == wanted and ([0], ["uid"]) in wanted, "row group 0 was committed"
