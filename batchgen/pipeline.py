@@ -20,7 +20,7 @@ from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow
 from batchgen.prompts import PromptBuilder, RowPrompt
-from batchgen.row_share import RankRows
+from batchgen.row_share import ALONE, RankRows
 
 _POLL_S = 0.2
 PREPARE_ROWS = 128  # rows per tokenizer task: the engine's first rows wait for one task only
@@ -36,9 +36,9 @@ def row_hash(row: RawRow) -> str:
 class Producer(threading.Thread):
     """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool.
 
-    With several ranks (share), every rank is given every row, its own ones whole, the others
-    with their id alone (io/rank_reads.py), and tracks every id, so a duplicate id is flagged
-    alike at any world size, but prepares only the rows it owns.
+    With several ranks (share), a rank is given every row (another rank's with its id alone)
+    and tracks every id, so a duplicate id is flagged alike at any world size, but prepares
+    only its own rows.
     """
 
     def __init__(
@@ -59,7 +59,7 @@ class Producer(threading.Thread):
         self.done = done
         self.id_column = id_column
         self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
-        self.share = share  # None: every row not committed is this process's
+        self.share = share or ALONE.rows(None, done)  # None: every row not committed
         self._past = 0  # rows not committed read so far at or past share.num_rows (row_share)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
         self.queue: queue.Queue[Future[list[RowPrompt]] | None]
@@ -136,8 +136,6 @@ class Producer(threading.Thread):
                 self._ids.add(key)
         if row.index in self.done:
             return False, duplicate
-        if self.share is None:
-            return True, duplicate
         past = self._past
         self._past += row.index >= self.share.num_rows
         return self.share.owns(row.index, past), duplicate
