@@ -348,8 +348,9 @@ def run_pipeline(
     before_commit: raises when no shard may be written (the directory's lock is lost)."""
     builder, id_column = _prompt_stage(spec, engine)
     halt = threading.Event()  # stops the producer however the engine loop ends
+    rows = share.rows(source.num_rows, done)
     producer = Producer(
-        source.batches(_read_columns(spec)),
+        source.rank_batches(_read_columns(spec), id_column, rows),
         builder,
         done,
         id_column,
@@ -357,7 +358,7 @@ def run_pipeline(
         spec.pipeline.prefetch_batches * source.batch_rows,
         halt,
         hash_rows=INPUT_HASH in columns,
-        share=share,
+        share=rows,
     )
     out = spec.output
     writer = ShardWriter(

@@ -20,7 +20,7 @@ from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow
 from batchgen.prompts import PromptBuilder, RowPrompt
-from batchgen.row_share import ALONE, RowShare
+from batchgen.row_share import ALONE, RankRows
 
 _POLL_S = 0.2
 PREPARE_ROWS = 128  # rows per tokenizer task: the engine's first rows wait for one task only
@@ -36,8 +36,9 @@ def row_hash(row: RawRow) -> str:
 class Producer(threading.Thread):
     """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool.
 
-    With several ranks (share), every rank streams every row and tracks every id, so a
-    duplicate id is flagged alike at any world size, but prepares only the rows it owns.
+    With several ranks (share), a rank is given every row (another rank's with its id alone)
+    and tracks every id, so a duplicate id is flagged alike at any world size, but prepares
+    only its own rows.
     """
 
     def __init__(
@@ -50,7 +51,7 @@ class Producer(threading.Thread):
         prefetch_rows: int,
         stop: threading.Event,
         hash_rows: bool = False,
-        share: RowShare = ALONE,
+        share: RankRows | None = None,
     ) -> None:
         super().__init__(name="batchgen-producer", daemon=True)
         self.batches = batches
@@ -58,8 +59,8 @@ class Producer(threading.Thread):
         self.done = done
         self.id_column = id_column
         self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
-        self.share = share
-        self._pending = 0  # rows read so far that no committed shard holds (see row_share)
+        self.share = share or ALONE.rows(None, done)  # None: every row not committed
+        self._past = 0  # rows not committed read so far at or past share.num_rows (row_share)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
         self.queue: queue.Queue[Future[list[RowPrompt]] | None]
         self.queue = queue.Queue(maxsize=max(1, prefetch_rows // PREPARE_ROWS))
@@ -135,8 +136,9 @@ class Producer(threading.Thread):
                 self._ids.add(key)
         if row.index in self.done:
             return False, duplicate
-        self._pending += 1
-        return self.share.owns(self._pending - 1), duplicate
+        past = self._past
+        self._past += row.index >= self.share.num_rows
+        return self.share.owns(row.index, past), duplicate
 
     def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
         readable = [(row.index, row.values) for row, _ in rows if row.values is not None]

@@ -50,6 +50,7 @@ class Plan(NamedTuple):
     done: set[int]  # input rows in committed shards
     resuming: bool
     run: str  # the run named in the lock file (RankLock)
+    num_rows: int | None  # the input's row count rank 0 saw: every rank shares rows by it
 
 
 class Started(NamedTuple):
@@ -119,8 +120,9 @@ def start_rank(
         committed = scan_committed(layout, note)
         if resuming and current["input"] is None and committed.indexes:
             verify_rows(mine, source, committed)
-        return Plan(committed.indexes, resuming, lock.run)
+        return Plan(committed.indexes, resuming, lock.run, source.num_rows)
 
     publish_first_beat(group)  # every rank's beat exists once the step below is passed
     plan = group.agree_on_root(prepare)
+    source = dataclasses.replace(source, num_rows=plan.num_rows)  # the same on every rank
     return Started(mine, source, engine, plan, startup)

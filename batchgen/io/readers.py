@@ -19,12 +19,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, check_field
+from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
+
+if TYPE_CHECKING:
+    from batchgen.row_share import RankRows
 
 OPENAI_BATCH = "openai-batch"  # request lines, read by batchgen.formats.openai_batch
 FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
@@ -48,6 +52,9 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 Values = dict[str, Any]
 Parsed = tuple[Values | None, str | None]  # (values, None) or (None, error)
 RowReader = Callable[[list[str] | None], Iterator[Parsed]]  # columns -> rows in input order
+# (columns, id column, a rank's rows) -> every row in input order: the rank's whole, the
+# others with their id alone (batchgen/io/rank_reads.py)
+RankReader = Callable[[list[str] | None, str | None, "RankRows"], Iterator[Parsed]]
 
 
 @dataclass(frozen=True)
@@ -94,14 +101,28 @@ class InputSource:
     types: dict[str, pa.DataType] = field(default_factory=dict)  # declared column types
     files: tuple[Path, ...] = ()  # local files the input reads
     sampled: bool = False  # columns were read off the first rows (JSONL), not a schema
+    read_rank: RankReader | None = field(repr=False, default=None)  # None: read every row
 
     def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
         """Stream lists of up to batch_rows rows in input order.
 
         columns: give each parsed row exactly these keys (absent ones are None); None = all.
         """
+        return self._batched(self.read_rows(columns))
+
+    def rank_batches(
+        self, columns: list[str] | None, id_column: str | None, rows: RankRows
+    ) -> Iterator[list[RawRow]]:
+        """batches(columns), but a row that `rows` does not read whole comes with its id
+        alone ({id_column: value}; {} without an id column) where the format allows (Parquet
+        row groups, JSONL lines); other formats give every row whole."""
+        if self.read_rank is None:
+            return self.batches(columns)
+        return self._batched(self.read_rank(columns, id_column, rows))
+
+    def _batched(self, parsed: Iterator[Parsed]) -> Iterator[list[RawRow]]:
         batch: list[RawRow] = []
-        for index, (values, error) in enumerate(self.read_rows(columns)):
+        for index, (values, error) in enumerate(parsed):
             batch.append(RawRow(index, values, error))
             if len(batch) == self.batch_rows:
                 yield batch
@@ -280,6 +301,7 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         fingerprint=functools.cache(partial(fingerprint_files, files)),
         types=types,
         files=tuple(path for path, _ in files),
+        read_rank=partial(rank_reads.parquet_rank_rows, files, config.batch_rows),
     )
 
 
@@ -308,7 +330,8 @@ def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSour
     columns = _sample_columns(files[0][0])
     description = describe_files(files, "jsonl", config.path)
     reader = partial(_jsonl_rows, files)
-    return jsonl_source(files, scans, columns, description, config, reader)
+    source = jsonl_source(files, scans, columns, description, config, reader)
+    return dataclasses.replace(source, read_rank=partial(rank_reads.jsonl_rank_rows, files))
 
 
 def jsonl_source(
