@@ -254,10 +254,13 @@ def _exit_code(result: Any, received: list[int]) -> int:
 def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     """Check JOB and its input without loading the model; print the resolved spec."""
     from batchgen.formats import input_format
+    from batchgen.io.fs import as_path
+    from batchgen.io.output_location import check_output_access
     from batchgen.job import check_job
 
     spec = _load(job, sets, shortcuts)
     source = check_job(spec)
+    check_output_access(as_path(spec.output.dir))
     click.echo(json.dumps(spec.to_dict(), indent=2))
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
