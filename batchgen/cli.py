@@ -278,8 +278,15 @@ def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
 def report(out_dir: str, out: str | None, run_token: str | None, top: int) -> None:
     """Idle time per cause of a job run with --profile, its largest gaps, a timeline picture
     and a Chrome trace."""
+    from batchgen.io.fs import scheme_of
     from batchgen.profile.report import write_report
 
+    if scheme_of(out_dir):
+        raise BatchgenError(
+            f"batchgen report reads a local output directory, not {out_dir}: copy its "
+            "profile/ folder to a local OUT_DIR/profile (e.g. aws s3 cp --recursive) and "
+            "report on OUT_DIR"
+        )
     result = write_report(Path(out_dir), None if out is None else Path(out), run_token, top)
     click.echo(result.text)
 
