@@ -24,6 +24,7 @@ from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.io import InputConfig, OutputConfig, dataset_source
+from batchgen.io.fs import scheme_of
 from batchgen.io.output_schema import output_columns as schema_columns
 from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
@@ -95,6 +96,11 @@ class Generator:
             "truncate": truncate,
         }
         spec = self._spec(prompt, sampling, include_token_ids, progress, batch_rows)
+        if checkpoint_dir is not None and scheme_of(str(checkpoint_dir)):
+            raise BatchgenError(
+                f"checkpoint_dir={str(checkpoint_dir)!r}: the datasets API keeps its checkpoint "
+                "in a local folder; give a local path (batchgen run writes to object stores)"
+            )
         import datasets
 
         if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):

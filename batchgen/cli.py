@@ -255,10 +255,13 @@ def _exit_code(result: Any, received: list[int]) -> int:
 def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
     """Check JOB and its input without loading the model; print the resolved spec."""
     from batchgen.formats import input_format
+    from batchgen.io.fs import as_path
+    from batchgen.io.output_location import check_output_access
     from batchgen.job import check_job
 
     spec = _load(job, sets, shortcuts)
     source = check_job(spec)
+    check_output_access(as_path(spec.output.dir))
     click.echo(json.dumps(spec.to_dict(), indent=2))
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
@@ -276,8 +279,15 @@ def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
 def report(out_dir: str, out: str | None, run_token: str | None, top: int) -> None:
     """Idle time per cause of a job run with --profile, its largest gaps, a timeline picture
     and a Chrome trace."""
+    from batchgen.io.fs import scheme_of
     from batchgen.profile.report import write_report
 
+    if scheme_of(out_dir):
+        raise BatchgenError(
+            f"batchgen report reads a local output directory, not {out_dir}: copy its "
+            "profile/ folder to a local OUT_DIR/profile (e.g. aws s3 cp --recursive) and "
+            "report on OUT_DIR"
+        )
     result = write_report(Path(out_dir), None if out is None else Path(out), run_token, top)
     click.echo(result.text)
 

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 from tqdm import tqdm
@@ -26,10 +25,10 @@ from batchgen.heartbeat import Heartbeat, Progress, RankEnd, Stop, total
 from batchgen.io import OutputLayout
 from batchgen.io.atomic import write_json_atomic
 from batchgen.io.checkpoint import (
-    DirectoryLock,
     RankLock,
     scan_committed,
 )
+from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.job import (
     NO_HOOKS,
     JobResult,
@@ -62,8 +61,8 @@ def run_ranks(
     """Run (or resume) this rank's share of a job; every rank returns the job's summary."""
     stop = stop or threading.Event()
     note = note or _to_stderr
-    layout = OutputLayout(Path(spec.output.dir))
-    lock = DirectoryLock(layout) if group.rank == 0 else None
+    layout = OutputLayout(spec.output.dir)
+    lock = output_lock(layout) if group.rank == 0 else None
     if group.rank != 0:
         from transformers.utils import logging as hf_logging
 
@@ -79,7 +78,7 @@ def _run(
     spec: JobSpec,
     group: Group,
     layout: OutputLayout,
-    lock: DirectoryLock | None,
+    lock: OutputLock | None,
     stop: threading.Event,
     note: Callable[[str], None],
     force: bool,
@@ -100,7 +99,7 @@ def _generate(
     ready: Started,
     group: Group,
     layout: OutputLayout,
-    lock: DirectoryLock | None,
+    lock: OutputLock | None,
     beat: Heartbeat,
     stop: threading.Event,
     latest: list[Stats],

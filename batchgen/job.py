@@ -32,7 +32,6 @@ from batchgen.io.checkpoint import (
     IDENTITY_PARTS,
     Committed,
     DamagedManifest,
-    DirectoryLock,
     Manifest,
     identity_changes,
     read_manifest,
@@ -40,6 +39,8 @@ from batchgen.io.checkpoint import (
     scan_committed,
     write_manifest,
 )
+from batchgen.io.fs import as_path
+from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
@@ -95,7 +96,7 @@ def check_job(spec: JobSpec, source: InputSource | None = None) -> InputSource:
     check_backend(spec.engine, resolve_device(spec.engine))  # before any model work
     if source is None:
         source = fmt.open(spec)
-        check_output_outside_input(Path(spec.output.dir), spec.input, source)
+        check_output_outside_input(as_path(spec.output.dir), spec.input, source)
         if source.num_rows == 0:
             raise BatchgenError(
                 f"input {spec.input.path!r} holds no rows ({source.description}): nothing to do"
@@ -156,8 +157,8 @@ def run_job(
     source = check_job(spec, source)
     if engine is None:
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
-    layout = OutputLayout(Path(spec.output.dir))
-    with DirectoryLock(layout) as lock:
+    layout = OutputLayout(spec.output.dir)
+    with output_lock(layout) as lock:
         previous = previous_run(layout, force_resume)
         fingerprint = source.fingerprint()
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
@@ -200,7 +201,7 @@ def _run(
     stop: threading.Event | None,
     hooks: Hooks,
     resuming: bool,
-    lock: DirectoryLock,
+    lock: OutputLock,
     startup: dict[str, float],
 ) -> JobResult:
     stop = stop or threading.Event()

@@ -27,12 +27,12 @@ from batchgen.heartbeat import publish_first_beat
 from batchgen.io import InputSource, OutputLayout
 from batchgen.io.checkpoint import (
     IDENTITY_PARTS,
-    DirectoryLock,
     Manifest,
     identity_changes,
     remove_temp_files,
     scan_committed,
 )
+from batchgen.io.object_lock import OutputLock
 from batchgen.job import (
     check_job,
     check_resumable,
@@ -67,7 +67,7 @@ def start_rank(
     spec: JobSpec,
     group: Group,
     layout: OutputLayout,
-    lock: DirectoryLock | None,
+    lock: OutputLock | None,
     note: Callable[[str], None],
     force: bool,
 ) -> Started:

@@ -22,6 +22,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError
 from batchgen.io import InputConfig, OutputConfig
+from batchgen.io.fs import scheme_of
 from batchgen.prompts import PromptConfig
 
 
@@ -148,6 +149,8 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
     for section, key, always in (("output", "dir", True), ("input", "path", False)):
         value = table.get(section, {}).get(key) if isinstance(table.get(section), dict) else None
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        if scheme_of(value):  # an object-store URL is absolute
             continue
         joined = base / value
         if always or glob.glob(str(joined)) or joined.exists():

@@ -2,6 +2,8 @@
 
 A reader sees either the old file (or none) or the whole new one, after a kill at any instant.
 The temporary name starts with the layout's TEMP_PREFIX, so a resumed run can remove leftovers.
+On an object store the same contract is the store's: the object is uploaded whole
+(io/fs.py, ObjectPath.write_whole).
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from batchgen.io.fs import AnyPath, is_object
 from batchgen.io.layout import temp_path
 
 Writer = Callable[[IO[bytes]], Any]  # fills an open binary file
 
 
-def write_atomic(path: Path, write: Writer) -> Any:
+def write_atomic(path: AnyPath, write: Writer) -> Any:
     """write(f) into a temp file beside `path`, fsync, rename over `path`; -> write's result."""
+    if is_object(path):
+        return path.write_whole(write)
     path = Path(path)
     tmp = temp_path(path)
     try:
@@ -34,12 +39,15 @@ def write_atomic(path: Path, write: Writer) -> Any:
     return result
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: AnyPath, data: Any) -> None:
     text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False)
     write_atomic(path, lambda f: f.write(text.encode("ascii") + b"\n"))
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: AnyPath) -> None:
+    """Make a folder's entries durable (an object store has no folders: nothing to do)."""
+    if is_object(path):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

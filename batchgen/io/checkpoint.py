@@ -14,7 +14,6 @@ import fcntl
 import json
 import os
 import secrets
-import shutil
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_json_atomic
+from batchgen.io.fs import AnyPath, abort_uploads, arrow_file
 from batchgen.io.layout import OutputLayout
 from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
 
@@ -141,6 +141,11 @@ def _reason(exc: BaseException) -> str:
 # -- lock ------------------------------------------------------------------------------------
 
 
+def new_run_token() -> str:
+    """Names one run in its lock file (random)."""
+    return secrets.token_hex(8)
+
+
 @dataclass
 class DirectoryLock:
     """An exclusive lock on an output directory, held from acquire() to release().
@@ -154,7 +159,7 @@ class DirectoryLock:
     """
 
     layout: OutputLayout
-    run: str = field(default_factory=lambda: secrets.token_hex(8))
+    run: str = field(default_factory=new_run_token)
     _fd: int | None = None
     _created: bool = False
 
@@ -284,18 +289,19 @@ class Committed:
     damaged: list[str] = field(default_factory=list)  # shards moved aside (their rows rerun)
 
 
-def read_shard_keys(path: Path) -> tuple[list[Key], list[str | None]]:
+def read_shard_keys(path: AnyPath) -> tuple[list[Key], list[str | None]]:
     """(index, sample_index) and input hash of every row; DamagedShard if unreadable."""
     try:
         if path.suffix == ".parquet":
-            names = pq.read_schema(path).names
-            wanted = [c for c in (*KEY_COLUMNS, INPUT_HASH) if c in names]
-            table = pq.read_table(path, columns=wanted)
-            rows = table.to_pylist()
+            with arrow_file(path) as f:
+                shard = pq.ParquetFile(f)
+                names = shard.schema_arrow.names
+                wanted = [c for c in (*KEY_COLUMNS, INPUT_HASH) if c in names]
+                rows = shard.read(columns=wanted).to_pylist()
         else:
-            with path.open("rb") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            data = path.read_bytes()
+            rows = [json.loads(line) for line in data.split(b"\n") if line.strip()]
+            if data and not data.endswith(b"\n"):
                 raise ValueError("the last line is cut short")
         keys = [_key(row) for row in rows]
     except (pa.ArrowException, OSError, ValueError, TypeError, KeyError) as exc:
@@ -342,23 +348,25 @@ def scan_committed(layout: OutputLayout, note: Callable[[str], None]) -> Committ
     return committed
 
 
-def _move_aside(layout: OutputLayout, path: Path) -> None:
+def _move_aside(layout: OutputLayout, path: AnyPath) -> None:
     layout.damaged.mkdir(exist_ok=True)
-    shutil.move(str(path), layout.damaged / path.name)
+    path.rename(layout.damaged / path.name)
 
 
 def remove_temp_files(layout: OutputLayout) -> int:
-    """Delete leftovers of killed writers; call only under the lock. Returns the count."""
+    """Delete leftovers of killed writers (temp files; on an object store, uploads never
+    completed); call only under the lock. Returns the count."""
     temps = layout.temp_files()
     for path in temps:
         path.unlink(missing_ok=True)
-    return len(temps)
+    return len(temps) + abort_uploads(layout.dir)
 
 
-def iter_shard_rows(path: Path) -> Iterator[dict[str, Any]]:
+def iter_shard_rows(path: AnyPath) -> Iterator[dict[str, Any]]:
     if path.suffix == ".parquet":
-        for batch in pq.ParquetFile(path).iter_batches(1024):
-            yield from batch.to_pylist()
+        with arrow_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(1024):
+                yield from batch.to_pylist()
         return
     with path.open("rb") as f:
         for line in f:

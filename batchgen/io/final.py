@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from itertools import pairwise
-from pathlib import Path
 from typing import IO, NamedTuple
 
 import pyarrow as pa
@@ -17,6 +16,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_atomic
 from batchgen.io.checkpoint import read_shard_keys
+from batchgen.io.fs import AnyPath, arrow_file
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
 from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
 from batchgen.io.writer import as_text
@@ -26,7 +26,7 @@ SAMPLE = KEY_COLUMNS[1]
 
 
 class _Span(NamedTuple):
-    path: Path
+    path: AnyPath
     lo: int  # smallest index in the shard
     hi: int  # largest index in the shard
 
@@ -34,7 +34,7 @@ class _Span(NamedTuple):
 def write_final(
     layout: OutputLayout,
     format: str,
-    path: Path,
+    path: AnyPath,
     *,
     window_rows: int = FINAL_WINDOW_ROWS,
     keep: tuple[str, ...] = (),
@@ -50,11 +50,11 @@ def write_final(
         indexes = [index for index, _ in read_shard_keys(shard)[0]]
         spans.append(_Span(shard, min(indexes), max(indexes)))
     if format == "parquet":
-        return write_atomic(Path(path), lambda f: _final_parquet(spans, window_rows, drop, f))
-    return write_atomic(Path(path), lambda f: _final_jsonl(spans, window_rows, drop, f))
+        return write_atomic(path, lambda f: _final_parquet(spans, window_rows, drop, f))
+    return write_atomic(path, lambda f: _final_jsonl(spans, window_rows, drop, f))
 
 
-def _windows(spans: list[_Span], window_rows: int) -> Iterator[tuple[int, int, list[Path]]]:
+def _windows(spans: list[_Span], window_rows: int) -> Iterator[tuple[int, int, list[AnyPath]]]:
     """(start, end, shards holding an index in [start, end)) over the whole index range."""
     if not spans:
         return
@@ -98,7 +98,8 @@ def _final_parquet(
         for start, end, hits in _windows(spans, window_rows):
             pieces = []
             for shard in hits:
-                table = pq.read_table(shard)
+                with arrow_file(shard) as src:
+                    table = pq.read_table(src)
                 index = table.column("index")
                 keep = pc.and_(pc.greater_equal(index, start), pc.less(index, end))
                 pieces.append(_conform(table.filter(keep), schema, text_columns))
@@ -113,9 +114,12 @@ def _final_parquet(
     return written
 
 
-def _unified_schema(paths: list[Path], drop: tuple[str, ...]) -> tuple[pa.Schema, set[str]]:
+def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> tuple[pa.Schema, set[str]]:
     """One schema for all shards: types promoted where Arrow can; else the column is text."""
-    schemas = [pq.read_schema(p) for p in paths]
+    schemas = []
+    for path in paths:
+        with arrow_file(path) as f:
+            schemas.append(pq.read_schema(f))
     names = dict.fromkeys(n for schema in schemas for n in schema.names if n not in drop)
     fields, text_columns = [], set()
     for name in names:

@@ -11,6 +11,8 @@
                           by resuming: outside shards/)
 <dir>/profile/timeline-<run>.png, trace-<run>.json    `batchgen report`'s picture and trace
 .tmp-*                    a file being written atomically (never read; removed on resume)
+
+<dir> may be an object-store URL (io/fs.py): the same names, as keys under that prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+
+from batchgen.io.fs import AnyPath, as_path
 
 OUTPUT_FORMATS = ("parquet", "jsonl")
 TEMP_PREFIX = ".tmp-"
@@ -27,43 +30,43 @@ PROFILE_PREFIX = "steps-"
 _ROWS = re.compile(r"-n(\d+)\.[a-z]+$")
 
 
-def temp_path(path: Path) -> Path:
+def temp_path(path: AnyPath) -> AnyPath:
     """Where `path` is written before its atomic rename."""
     return path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
 
 
 @dataclass(frozen=True)
 class OutputLayout:
-    dir: Path
+    dir: AnyPath  # a Path, or an ObjectPath for an object-store URL
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dir", Path(self.dir))
+        object.__setattr__(self, "dir", as_path(self.dir))
 
     @property
-    def manifest(self) -> Path:
+    def manifest(self) -> AnyPath:
         return self.dir / "job.json"
 
     @property
-    def lock(self) -> Path:
+    def lock(self) -> AnyPath:
         return self.dir / "job.lock"
 
     @property
-    def summary(self) -> Path:
+    def summary(self) -> AnyPath:
         return self.dir / "summary.json"
 
     @property
-    def shards(self) -> Path:
+    def shards(self) -> AnyPath:
         return self.dir / "shards"
 
     @property
-    def damaged(self) -> Path:
+    def damaged(self) -> AnyPath:
         return self.dir / "damaged"
 
     @property
-    def profile(self) -> Path:
+    def profile(self) -> AnyPath:
         return self.dir / "profile"
 
-    def profile_steps(self, run_token: str) -> Path:
+    def profile_steps(self, run_token: str) -> AnyPath:
         return self.profile / f"{PROFILE_PREFIX}{run_token}.parquet"
 
     def profile_runs(self) -> list[str]:
@@ -72,39 +75,39 @@ class OutputLayout:
         return [p.name.removeprefix(PROFILE_PREFIX).removesuffix(".parquet") for p in files]
 
     @staticmethod
-    def profile_timeline(folder: Path, run_token: str) -> Path:
+    def profile_timeline(folder: AnyPath, run_token: str) -> AnyPath:
         return folder / f"timeline-{run_token}.png"
 
     @staticmethod
-    def profile_trace(folder: Path, run_token: str) -> Path:
+    def profile_trace(folder: AnyPath, run_token: str) -> AnyPath:
         return folder / f"trace-{run_token}.json"
 
-    def results(self, format: str) -> Path:
+    def results(self, format: str) -> AnyPath:
         return self.dir / f"results.{format}"
 
     @property
-    def openai_results(self) -> Path:
+    def openai_results(self) -> AnyPath:
         return self.dir / "results.jsonl"
 
     @property
-    def openai_errors(self) -> Path:
+    def openai_errors(self) -> AnyPath:
         return self.dir / "errors.jsonl"
 
-    def shard(self, run_token: str, seq: int, rows: int, format: str) -> Path:
+    def shard(self, run_token: str, seq: int, rows: int, format: str) -> AnyPath:
         return self.shards / f"{SHARD_PREFIX}{run_token}-{seq:06d}-n{rows}.{format}"
 
     @staticmethod
-    def shard_rows(path: Path) -> int | None:
+    def shard_rows(path: AnyPath) -> int | None:
         """The row count a shard's name declares (None for a name without one)."""
         match = _ROWS.search(path.name)
         return int(match.group(1)) if match else None
 
-    def shard_paths(self, format: str | None = None) -> list[Path]:
+    def shard_paths(self, format: str | None = None) -> list[AnyPath]:
         """Committed shards (of one format, or both), oldest run first."""
         exts = OUTPUT_FORMATS if format is None else (format,)
         return sorted(p for ext in exts for p in self.shards.glob(f"{SHARD_PREFIX}*.{ext}"))
 
-    def temp_files(self) -> list[Path]:
+    def temp_files(self) -> list[AnyPath]:
         folders = (self.dir, self.shards, self.profile)
         return [p for folder in folders for p in folder.glob(f"{TEMP_PREFIX}*")]
 

@@ -1,17 +1,23 @@
 """The output directory must not be somewhere the input reads: a rerun would read its own
-results as input rows."""
+results as input rows; on an object store, it must be reachable before any model work."""
 
 from __future__ import annotations
 
 import glob
+import os
 from pathlib import Path, PurePath
 
 from batchgen.errors import BatchgenError
-from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
+from batchgen.io.atomic import write_atomic
+from batchgen.io.fs import AnyPath, is_object, scheme_of, store_error
+from batchgen.io.layout import OUTPUT_FORMATS, TEMP_PREFIX, OutputLayout
 from batchgen.io.readers import InputConfig, InputSource
 
 
-def check_output_outside_input(out_dir: Path, config: InputConfig, source: InputSource) -> None:
+def check_output_outside_input(out_dir: AnyPath, config: InputConfig, source: InputSource) -> None:
+    if is_object(out_dir) or scheme_of(config.path):
+        _check_urls(out_dir, config, source)
+        return
     out = out_dir.expanduser().resolve()
     for path in source.files:
         if _inside(path.resolve(), out):
@@ -25,6 +31,25 @@ def check_output_outside_input(out_dir: Path, config: InputConfig, source: Input
         hidden = out.relative_to(local.resolve()).parts
         if not any(part.startswith((".", "_")) for part in hidden):  # the reader skips those
             raise _refusal(out_dir, raw)
+
+
+def _check_urls(out_dir: AnyPath, config: InputConfig, source: InputSource) -> None:
+    """Object-store URLs: the same rule on keys. A glob refuses any output below its static
+    part (no guess at what it may match)."""
+    out = str(out_dir).rstrip("/")
+    if any(_inside_key(str(path), out) for path in source.files):
+        raise _refusal(out_dir, config.path)
+    raw = config.path.rstrip("/")
+    static = raw[: min((raw.find(c) for c in "*?[" if c in raw), default=len(raw))]
+    if not _inside_key(out, static.rstrip("/")):
+        return
+    hidden = out[len(static) :].split("/")
+    if glob.has_magic(raw) or not any(part.startswith((".", "_")) for part in hidden):
+        raise _refusal(out_dir, config.path)
+
+
+def _inside_key(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + "/")
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -47,8 +72,23 @@ def _glob_may_match(pattern: Path, out: Path) -> bool:
     return any(PurePath(p).match(str(resolved)) for p in written)
 
 
-def _refusal(out_dir: Path, input_path: str) -> BatchgenError:
+def _refusal(out_dir: AnyPath, input_path: str) -> BatchgenError:
     return BatchgenError(
         f"output directory '{out_dir}' is where the input {input_path!r} reads files: a rerun "
         "would read its own results as input; choose an output directory outside the input"
     )
+
+
+def check_output_access(out_dir: AnyPath) -> None:
+    """On an object store: the bucket exists and this process may list, write and delete
+    under the prefix (a probe object, named as a temp file). BatchgenError, one line. A local
+    directory is checked when its lock is taken."""
+    if not is_object(out_dir):
+        return
+    probe = out_dir / f"{TEMP_PREFIX}validate-{os.getpid()}"
+    try:
+        list(out_dir.iterdir())
+        write_atomic(probe, lambda f: f.write(b"batchgen validate\n"))
+        probe.unlink(missing_ok=True)
+    except Exception as exc:  # the store library's own errors (auth, bucket, network)
+        raise store_error(exc, out_dir, "writing") from exc

@@ -16,6 +16,7 @@ without an id column (None and its error for a JSONL line that cannot be parsed)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io import readers
+from batchgen.io.fs import arrow_file
 from batchgen.row_share import RankRows
 
 
@@ -46,9 +48,14 @@ def parquet_rank_rows(
             ) from exc
 
 
-def _open_parquet(path: Path) -> pq.ParquetFile:
+@contextmanager
+def _open_parquet(path: Path) -> Iterator[pq.ParquetFile]:
     # pre_buffer (on by default) would read a whole row group's column chunks at once
-    return pq.ParquetFile(path, buffer_size=readers.PARQUET_BUFFER_BYTES, pre_buffer=False)
+    with (
+        arrow_file(path) as f,
+        pq.ParquetFile(f, buffer_size=readers.PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
+    ):
+        yield pf
 
 
 def _parquet_file_rows(

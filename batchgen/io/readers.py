@@ -13,7 +13,6 @@ import functools
 import glob
 import hashlib
 import json
-import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
+from batchgen.io.fs import arrow_file, common_folder, scheme_of
+from batchgen.io.remote_input import find_objects
 
 if TYPE_CHECKING:
     from batchgen.row_share import RankRows
@@ -182,7 +183,7 @@ def fingerprint_files(
     """Name (relative to the files' common folder), size and SHA-256 of every file, in read
     order. digests: already computed SHA-256 values, in the same order."""
     paths = [path.resolve() for path, _ in files]
-    root = Path(os.path.commonpath([p.parent for p in paths]))
+    root = common_folder(paths)
     entries = []
     for i, path in enumerate(paths):
         digest = digests[i] if digests is not None else _sha256(path)
@@ -206,6 +207,9 @@ def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
     """[(path, name used in messages)] in read order; None = try the hub instead."""
     raw = config.path
     path = Path(raw).expanduser()
+    if scheme_of(raw):
+        fmt = "jsonl" if config.format == OPENAI_BATCH else config.format
+        return find_objects(raw, {ext for ext, kind in EXTENSIONS.items() if fmt in ("auto", kind)})
     if glob.has_magic(raw):
         matches = sorted(m for m in glob.glob(str(path), recursive=True) if Path(m).is_file())
         if not matches:
@@ -274,7 +278,8 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
     num_rows = 0
     for path, name in files:
         try:  # reads only the footer: catches non-parquet and truncated files up front
-            meta = pq.read_metadata(path)
+            with arrow_file(path) as f:
+                meta = pq.read_metadata(f)
         except (pa.ArrowException, OSError) as exc:
             raise BatchgenError(
                 f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
@@ -311,7 +316,10 @@ def _parquet_rows(
     for path, name in files:
         try:
             # pre_buffer (on by default) would read a whole row group's column chunks at once
-            with pq.ParquetFile(path, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False) as pf:
+            with (
+                arrow_file(path) as f,
+                pq.ParquetFile(f, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
+            ):
                 names = pf.schema_arrow.names
                 # read one column even when no wanted one is present, so rows still count
                 read = None if columns is None else [c for c in columns if c in names] or names[:1]

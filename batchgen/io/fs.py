@@ -1,0 +1,300 @@
+"""Where files live: a local path, or an object-store URL (s3://, gs://, az://, hf://, https://).
+
+`as_path(text)` gives a `pathlib.Path` for local text and an `ObjectPath` for a URL. An
+ObjectPath answers the part of the Path API the io layer uses (/, name, suffix, parent, open,
+read_bytes, glob, unlink, ...) through an fsspec filesystem, so readers, shards, the checkpoint
+and the final merge are written once for both. Where the two differ in kind, the difference
+lives here:
+
+- writing a whole file: local = temp file + fsync + rename (io/atomic.py); object store = the
+  bytes spooled locally, then one PUT (or one multipart upload, completed last): an object is
+  either absent or whole, and an upload a kill interrupted is never readable;
+- listing: an ObjectPath lists afresh every time (no listing cache): the committed set is
+  read from the store itself;
+- folders: an object store has none (mkdir, rmdir and fsync of a folder do nothing).
+
+Credentials come from each store library's own chain (for S3: AWS_* variables, ~/.aws/config
+and credentials, instance roles; a custom endpoint through AWS_ENDPOINT_URL_S3 or
+AWS_ENDPOINT_URL); batchgen never takes them in a job spec and never prints them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, NamedTuple
+
+from batchgen.errors import BatchgenError
+
+# scheme -> the pip package whose fsspec filesystem serves it
+SCHEME_PACKAGES = {
+    "s3": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hf": "huggingface_hub",
+    "http": "aiohttp",
+    "https": "aiohttp",
+}
+# schemes an output directory may use: a whole-object PUT is atomic, and a conditional PUT
+# (If-None-Match) makes the directory's lock (io/object_lock.py)
+OUTPUT_SCHEMES = ("s3",)
+SPOOL_BYTES = 64 << 20  # a whole-object write is held in memory up to this size, then on disk
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
+
+AnyPath = Any  # Path | ObjectPath (duck-typed: the Path methods below)
+
+
+def scheme_of(text: str) -> str | None:
+    """The scheme of a URL batchgen reads through a filesystem library; None for a local path
+    (file:// included)."""
+    match = _URL.match(text)
+    if match is None or match.group(1) == "file":
+        return None
+    return match.group(1)
+
+
+def as_path(text: str | Path) -> AnyPath:
+    """A Path for local text (as given: callers expand ~ where they did before), an
+    ObjectPath for a URL. BatchgenError (one line)
+    for a scheme batchgen does not know or whose library is missing."""
+    if isinstance(text, (Path, ObjectPath)):
+        return text
+    scheme = scheme_of(text)
+    if scheme is None:
+        return Path(text.removeprefix("file://"))
+    if scheme not in SCHEME_PACKAGES:
+        known = ", ".join(f"{s}://" for s in SCHEME_PACKAGES)
+        raise BatchgenError(f"{text!r}: unknown scheme {scheme}:// (batchgen reads {known})")
+    return ObjectPath(_filesystem(scheme, text), scheme, _URL.match(text).group(2).rstrip("/"))
+
+
+def is_object(path: AnyPath) -> bool:
+    return isinstance(path, ObjectPath)
+
+
+def _filesystem(scheme: str, text: str) -> Any:
+    package = SCHEME_PACKAGES[scheme]
+    try:
+        import fsspec
+
+        # a fresh instance, no listing cache: the committed set is read from the store
+        return fsspec.filesystem(scheme, skip_instance_cache=True, use_listings_cache=False)
+    except ImportError as exc:
+        raise BatchgenError(
+            f"{text!r} needs the '{package}' package, which is not installed: pip install {package}"
+        ) from exc
+
+
+class Stat(NamedTuple):
+    st_size: int
+
+
+class ObjectPath:
+    """A key (or prefix) on an object store; `key` = "bucket/folder/name", no scheme."""
+
+    def __init__(self, fs: Any, scheme: str, key: str) -> None:
+        self.fs, self.scheme, self.key = fs, scheme, key
+
+    # -- pure path ---------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.key}"
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: ObjectPath) -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(self.fs, self.scheme, f"{self.key}/{name}")
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.key).name
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.key).suffix
+
+    @property
+    def parent(self) -> ObjectPath:
+        return ObjectPath(self.fs, self.scheme, str(PurePosixPath(self.key).parent))
+
+    @property
+    def bucket(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def relative_to(self, other: ObjectPath) -> PurePosixPath:
+        return PurePosixPath(self.key).relative_to(other.key)
+
+    def resolve(self) -> ObjectPath:
+        return self
+
+    def expanduser(self) -> ObjectPath:
+        return self
+
+    def as_posix(self) -> str:
+        return str(self)
+
+    # -- the store ---------------------------------------------------------------------------
+
+    def open(self, mode: str = "rb") -> IO[bytes]:
+        if mode != "rb":
+            raise ValueError(f"ObjectPath.open({mode!r}): objects are written whole (write_whole)")
+        return self.fs.open(self.key, "rb")
+
+    def read_bytes(self) -> bytes:
+        return self.fs.cat_file(self.key)
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.key)
+
+    def is_file(self) -> bool:
+        return self.fs.isfile(self.key)
+
+    def is_dir(self) -> bool:
+        return self.fs.isdir(self.key)
+
+    def stat(self) -> Stat:
+        return Stat(self.fs.size(self.key))
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        """What the prefix holds one level down (objects and sub-prefixes)."""
+        for key in self._ls():
+            yield ObjectPath(self.fs, self.scheme, key.rstrip("/"))
+
+    def glob(self, pattern: str) -> Iterator[ObjectPath]:
+        """Objects directly under this prefix whose name matches (no '/' in `pattern`)."""
+        for child in self.iterdir():
+            if fnmatch.fnmatchcase(child.name, pattern):
+                yield child
+
+    def rglob(self, pattern: str) -> Iterator[ObjectPath]:
+        """Every object below this prefix whose name matches."""
+        for key in sorted(self.fs.find(self.key)):
+            if fnmatch.fnmatchcase(PurePosixPath(key).name, pattern):
+                yield ObjectPath(self.fs, self.scheme, key)
+
+    def _ls(self) -> list[str]:
+        try:
+            return self.fs.ls(self.key, detail=False)
+        except FileNotFoundError:
+            return []
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if not missing_ok and not self.fs.exists(self.key):
+            raise FileNotFoundError(str(self))
+        self.fs.rm_file(self.key)
+
+    def rename(self, target: ObjectPath) -> ObjectPath:
+        """Copy, then delete (a store has no rename): a kill between leaves both."""
+        self.fs.mv(self.key, target.key)
+        return target
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Nothing to do: a prefix exists once an object is under it."""
+
+    def rmdir(self) -> None:
+        """Nothing to do: a prefix with no object under it is gone."""
+
+    def write_whole(self, write: Callable[[IO[bytes]], Any], **conditions: str) -> Any:
+        """write(f) into a local spool, then one upload -> write's result. The object becomes
+        visible whole (one PUT, or a multipart upload completed last) or not at all.
+        conditions: S3 preconditions of the PUT (IfNoneMatch="*", IfMatch=etag)."""
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
+            result = write(spool)
+            size = spool.tell()
+            spool.seek(0)
+            if size <= SPOOL_BYTES:
+                self.fs.pipe_file(self.key, spool.read(), **conditions)
+                return result
+            with tempfile.NamedTemporaryFile(prefix=".batchgen-upload-") as local:
+                shutil.copyfileobj(spool, local)
+                local.flush()
+                self.fs.put_file(local.name, self.key, **conditions)
+        return result
+
+    def abort_uploads(self) -> int:
+        """Abort multipart uploads under this prefix a killed writer never completed (they
+        are invisible, but hold storage) -> how many."""
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return 0
+        prefix = self.key.partition("/")[2] + "/"
+        uploads = self.fs.list_multipart_uploads(self.bucket)
+        mine = [u for u in uploads if u["Key"].startswith(prefix)]
+        for upload in mine:
+            self.fs.abort_mpu(self.bucket, upload["Key"], upload["UploadId"])
+        return len(mine)
+
+
+@contextlib.contextmanager
+def arrow_file(path: AnyPath) -> Iterator[Any]:
+    """What pyarrow reads `path` from: a local path as it is (Arrow's own file), an object
+    through its store's file (random access by range requests)."""
+    if is_object(path):
+        with path.open("rb") as f:
+            yield f
+    else:
+        yield path
+
+
+def abort_uploads(folder: AnyPath) -> int:
+    """Incomplete uploads under an output folder removed -> how many (none on a local disk:
+    its temp files are the layout's, removed by name)."""
+    return folder.abort_uploads() if is_object(folder) else 0
+
+
+def common_folder(paths: list[AnyPath]) -> AnyPath:
+    """The deepest folder holding every path (all local, or all on one store)."""
+    if is_object(paths[0]):
+        key = os.path.commonpath([p.parent.key for p in paths])
+        return ObjectPath(paths[0].fs, paths[0].scheme, key)
+    return Path(os.path.commonpath([p.parent for p in paths]))
+
+
+def store_error(exc: BaseException, path: AnyPath, doing: str) -> BatchgenError:
+    """A store library's failure as one line: what failed, and what to do. `doing`: e.g.
+    "reading", "writing". The library's text carries no credentials (never the secret)."""
+    kind = type(exc).__name__
+    lines = str(exc).strip().splitlines()
+    reason = (lines[0] if lines else kind)[:200]
+    s3 = is_object(path) and path.scheme == "s3"
+    creds = (
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials"
+        if s3
+        else "the store's usual credentials"
+    )
+    if isinstance(exc, FileNotFoundError) and "bucket" in reason.lower():
+        bucket = path.bucket if is_object(path) else "?"
+        error = f"bucket '{bucket}' does not exist ({path}): create it, or fix the URL"
+    elif isinstance(exc, PermissionError) or "Credentials" in kind:
+        error = f"{doing} {path} was refused ({reason}): check the credentials ({creds})"
+    elif isinstance(exc, FileNotFoundError):
+        error = f"{path} does not exist: check the path"
+    elif "Connect" in kind or isinstance(exc, ConnectionError):
+        endpoint = " (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)" if s3 else ""
+        error = f"cannot reach the store of {path} ({reason}): check the endpoint{endpoint}"
+    else:
+        error = f"{doing} {path} failed ({kind}: {reason})"
+    out = BatchgenError(error)
+    out.__cause__ = exc
+    return out

@@ -1,0 +1,52 @@
+"""Input files named by an object-store URL, found by the rules local input follows: one
+object, a glob, or a prefix (folder) whose data files are read in sorted order, skipping
+names under a part that starts with '.' or '_'."""
+
+from __future__ import annotations
+
+import glob
+
+from batchgen.errors import BatchgenError
+from batchgen.io.fs import ObjectPath, as_path, store_error
+
+
+def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
+    """[(object, name used in messages)] in read order. wanted: the file extensions a prefix
+    (folder) is searched for. BatchgenError (one line) when nothing is found, the bucket is
+    missing or access is refused."""
+    root: ObjectPath = as_path(raw)
+    try:
+        if glob.has_magic(raw):
+            keys = sorted(k for k in root.fs.glob(root.key) if root.fs.isfile(k))
+            if not keys:
+                raise BatchgenError(f"no files match {raw!r}: check the pattern")
+            return [(ObjectPath(root.fs, root.scheme, k), f"{root.scheme}://{k}") for k in keys]
+        if _kind(root) == "file":
+            return [(root, raw)]
+        files = [
+            path
+            for path in root.rglob("*")
+            if path.suffix.lower() in wanted
+            and not any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
+        ]
+    except BatchgenError:
+        raise
+    except Exception as exc:  # the store library's own errors (auth, bucket, network)
+        raise store_error(exc, root, "reading") from exc
+    if not files and not root.exists():
+        raise BatchgenError(f"input {raw!r} does not exist: check the path")
+    if not files:
+        raise BatchgenError(
+            f"{raw!r} holds no {'/'.join(sorted(wanted))} files: give a data file, a prefix "
+            "holding them, or a glob"
+        )
+    return [(path, path.relative_to(root).as_posix()) for path in files]
+
+
+def _kind(path: ObjectPath) -> str | None:
+    """ "file", "directory", or None when nothing is there; the store's errors (access refused)
+    propagate, where `is_file` would hide them."""
+    try:
+        return path.fs.info(path.key)["type"]
+    except FileNotFoundError:
+        return None
