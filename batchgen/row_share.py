@@ -73,6 +73,24 @@ class RankRows:
         k = bisect.bisect_left(self._starts, stop) - 1  # the last block starting before stop
         return k >= 0 and self.blocks[k].stop > start
 
+    def span(self, start: int, stop: int) -> range:
+        """The shortest range of [start, stop) holding every row that must be read whole
+        (empty when none)."""
+        if stop > self.num_rows:
+            last = stop
+        else:
+            k = bisect.bisect_left(self._starts, stop) - 1  # the last block starting before stop
+            last = min(stop, self.blocks[k].stop) if k >= 0 else start
+        if start >= self.num_rows:
+            return range(start, max(start, last))
+        k = bisect.bisect_right(self._starts, start) - 1  # the block holding start, if any
+        first = start if k >= 0 and start < self.blocks[k].stop else None
+        if first is None:
+            later = bisect.bisect_right(self._starts, start)
+            first = self._starts[later] if later < len(self.blocks) else self.num_rows
+        first = min(first, stop)
+        return range(first, max(first, last))
+
     def _in_blocks(self, index: int) -> bool:
         k = bisect.bisect_right(self._starts, index) - 1
         return k >= 0 and index < self.blocks[k].stop

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen import BatchgenError, Engine
-from batchgen.io import InputConfig, OutputLayout, open_input
+from batchgen.io import InputConfig, OutputLayout, open_input, readers
 from batchgen.io.checkpoint import scan_committed
 from batchgen.job import run_job
 from batchgen.row_share import RankRows, RowShare
@@ -106,6 +106,34 @@ def test_a_rank_decodes_only_its_own_jsonl_lines(tmp_path):
         assert [r.index for r in got] == list(range(ROWS)) and not any(r.error for r in got)
         for row, own in zip(got, mine, strict=True):
             assert row.values == ({"prompt": f"p{row.index}"} if own else {})
+
+
+def test_without_an_id_column_a_rank_reads_only_its_jsonl_byte_range(tmp_path, monkeypatch):
+    """The scan's line marks let a rank seek to the mark before its first row and stop after
+    its last: every byte more than two scan chunks before its first line (the mark is the last
+    line start in a chunk before it), and every byte after
+    its last line, is overwritten after the scan (no newline left there, so a reader of them
+    would miscount the rows) and the rank still gets its rows at their indexes."""
+    chunk = 64
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", chunk)
+    ids = [f"row-{i}" for i in range(ROWS)]
+    lines = jsonl_lines(ids)
+    starts = [sum(map(len, lines[:i])) for i in range(ROWS + 1)]
+    for rank in range(WORLD):
+        rows = RowShare(rank, WORLD).rows(ROWS, DONE)
+        span = rows.span(0, ROWS)
+        path = tmp_path / f"rank{rank}.jsonl"
+        path.write_bytes(b"".join(lines))
+        source = open_input(InputConfig(str(path), batch_rows=3))  # scans the file
+        data = bytearray(path.read_bytes())
+        low, high = max(0, starts[span.start] - 2 * chunk), starts[span.stop]
+        data[:low] = b"x" * low
+        data[high:] = b"x" * (len(data) - high)
+        path.write_bytes(bytes(data))
+        got = [r for b in source.rank_batches(["prompt"], None, rows) for r in b]
+        assert [r.index for r in got] == list(range(ROWS)) and not any(r.error for r in got)
+        for row in got:
+            assert row.values == ({"prompt": f"p{row.index}"} if rows.reads(row.index) else {})
 
 
 def test_with_an_id_column_a_rank_keeps_only_the_id_of_other_jsonl_lines(tmp_path):

@@ -119,3 +119,17 @@ def test_a_checkpoint_resumes_at_any_world_size_exactly():
             last = run == len(sizes)  # the earlier runs stop with half of each block done
             done |= {i for rows in owned for i in (rows if last else rows[: len(rows) // 2])}
         assert done == set(range(97)), sizes
+
+
+def test_span_covers_exactly_the_rows_read_whole() -> None:
+    """RankRows.span(a, b): the shortest range of [a, b) holding every row read whole."""
+    for world in (1, 2, 3, 5):
+        for done in (set(), {0, 3, 4, 11}, set(range(0, 20, 2))):
+            for rank in range(world):
+                rows = RowShare(rank, world).rows(20, done)
+                for a in range(0, 24, 3):
+                    for b in range(a, 26, 4):
+                        read = [i for i in range(a, b) if rows.reads(i)]
+                        span = rows.span(a, b)
+                        assert (list(span[:1]) + list(span[-1:])) == (read[:1] + read[-1:])
+                        assert not read or (span.start == read[0] and span.stop == read[-1] + 1)

@@ -5,16 +5,18 @@ Every rank is given every row in input order, so that it counts the rows and che
 its own rows are:
 - Parquet: a row group that holds none of the rank's rows is read for its id column alone,
   or not at all without an id column (its row count comes from the footer);
-- JSONL: every line is passed over as bytes to count it, but only the rank's own lines are
-  decoded and parsed, and the others only when the job has an id column (for the id alone).
-  A line's row index is its count of non-blank lines before it, so a rank cannot seek to its
-  first line without such a pass (the input's fingerprint reads every byte at open anyway).
+- JSONL without an id column: only the byte range from the line mark before the rank's first
+  row (the input's scan records one line start per chunk it reads) to the end of its last row
+  is read, and only the rank's own lines in it are decoded; the other rows are counted from
+  the scan. With an id column every line is parsed, for its id alone where it is not the
+  rank's (JSON Lines has no column to read ids from without the rest of the line).
 A row read whole comes as readers.py gives it; any other as {id_column: value}, or {}
 without an id column (None and its error for a JSONL line that cannot be parsed).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,22 +99,68 @@ def _parquet_file_rows(
 
 def jsonl_rank_rows(
     files: list[tuple[Path, str]],
+    scans: list[readers.JsonlScan],
     columns: list[str] | None,
     id_column: str | None,
     rows: RankRows,
 ) -> Iterator[readers.Parsed]:
-    index = 0
-    for path, name in files:
-        for lineno, raw in readers.jsonl_lines(path):
-            own = rows.reads(index)
-            if own or id_column is not None:
-                values, error = readers.parse_json_line(raw, f"{name} line {lineno}")
-                if values is not None:
-                    values = readers.project(values, columns) if own else _id(values, id_column)
-                yield values, error
-            else:  # another rank's line, never decoded
-                yield {}, None
-            index += 1
+    index = 0  # of the file's first row in the whole input
+    for (path, name), scan in zip(files, scans, strict=True):
+        if id_column is not None:  # every line is parsed for its id
+            yield from _jsonl_lines(path, name, (0, 0, 0), index, columns, id_column, rows)
+        else:
+            yield from _jsonl_span(path, name, scan, index, columns, rows)
+        index += scan.rows
+
+
+def _jsonl_span(
+    path: Path,
+    name: str,
+    scan: readers.JsonlScan,
+    start: int,
+    columns: list[str] | None,
+    rows: RankRows,
+) -> Iterator[readers.Parsed]:
+    """A file without an id column: only the bytes from the line mark before the rank's first
+    row to its last row are read; every other row is {} (counted, never read)."""
+    span = rows.span(start, start + scan.rows)
+    if not span:
+        yield from (({}, None) for _ in range(scan.rows))
+        return
+    k = bisect.bisect_right([m[0] for m in scan.marks], span.start - start) - 1
+    mark = scan.marks[k]
+    yield from (({}, None) for _ in range(mark[0]))
+    index = start + mark[0]
+    lines = _jsonl_lines(path, name, mark, index, columns, None, rows)
+    for parsed in lines:
+        yield parsed
+        index += 1
+        if index >= span.stop and index < start + scan.rows:
+            lines.close()  # past the rank's last row: the rest is only counted
+            break
+    yield from (({}, None) for _ in range(start + scan.rows - index))
+
+
+def _jsonl_lines(
+    path: Path,
+    name: str,
+    mark: tuple[int, int, int],
+    index: int,
+    columns: list[str] | None,
+    id_column: str | None,
+    rows: RankRows,
+) -> Iterator[readers.Parsed]:
+    """Lines from a mark on; index: the whole input's index of the first one."""
+    for lineno, raw in readers.jsonl_lines(path, mark[2], mark[1]):
+        own = rows.reads(index)
+        if own or id_column is not None:
+            values, error = readers.parse_json_line(raw, f"{name} line {lineno}")
+            if values is not None:
+                values = readers.project(values, columns) if own else _id(values, id_column)
+            yield values, error
+        else:  # another rank's line, never decoded
+            yield {}, None
+        index += 1
 
 
 def _id(values: readers.Values, id_column: str | None) -> readers.Values:

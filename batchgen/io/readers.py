@@ -339,21 +339,22 @@ def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSour
     description = describe_files(files, "jsonl", config.path)
     reader = partial(_jsonl_rows, files)
     source = jsonl_source(files, scans, columns, description, config, reader)
-    return dataclasses.replace(source, read_rank=partial(rank_reads.jsonl_rank_rows, files))
+    read_rank = partial(rank_reads.jsonl_rank_rows, files, scans)
+    return dataclasses.replace(source, read_rank=read_rank)
 
 
 def jsonl_source(
     files: list[tuple[Path, str]],
-    scans: list[tuple[int, str]],
+    scans: list[JsonlScan],
     columns: list[str],
     description: str,
     config: InputConfig,
     reader: RowReader,
 ) -> InputSource:
-    fingerprint = fingerprint_files(files, [digest for _, digest in scans])
+    fingerprint = fingerprint_files(files, [scan.sha256 for scan in scans])
     return InputSource(
         columns,
-        sum(rows for rows, _ in scans),
+        sum(scan.rows for scan in scans),
         description,
         config.batch_rows,
         reader,
@@ -377,10 +378,22 @@ def _sample_columns(path: Path) -> list[str]:
     return list(columns)
 
 
-def scan_jsonl(path: Path, name: str) -> tuple[int, str]:
-    """-> (non-blank lines, SHA-256 of the file), over binary chunks; reject a JSON document
-    (array, pretty object)."""
+class JsonlScan(NamedTuple):
+    """What one pass over a JSONL file learns: its rows, its digest, and line marks: (rows
+    before, lines before, byte offset) of a line start at each chunk, so a reader can seek
+    near a row and still number its lines."""
+
+    rows: int
+    sha256: str
+    marks: list[tuple[int, int, int]]
+
+
+def scan_jsonl(path: Path, name: str) -> JsonlScan:
+    """-> rows (non-blank lines), SHA-256 and line marks, over binary chunks; reject a JSON
+    document (array, pretty object)."""
     rows = 0
+    offset = lines = 0  # of the chunk in the file; lines ended before it
+    marks = [(0, 0, 0)]
     digest = hashlib.sha256()
     partial_blank = True  # the unterminated line read so far is whitespace only
     try:
@@ -399,6 +412,7 @@ def scan_jsonl(path: Path, name: str) -> tuple[int, str]:
             f.seek(0)
             while chunk := f.read(COUNT_CHUNK_BYTES):
                 digest.update(chunk)
+                base, offset = offset, offset + len(chunk)
                 first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
                 if first < 0:
                     partial_blank = partial_blank and not chunk.strip()
@@ -409,9 +423,11 @@ def scan_jsonl(path: Path, name: str) -> tuple[int, str]:
                 if _BLANK_LINE.match(body) or _BLANK_AFTER_FIRST.search(body):  # rare
                     rows -= len(_BLANK_LINE.findall(body))
                 partial_blank = not chunk[last + 1 :].strip()
+                lines += chunk.count(b"\n")
+                marks.append((rows, lines, base + last + 1))  # what ended before that byte
     except OSError as exc:
         raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
-    return rows + (not partial_blank), digest.hexdigest()
+    return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks)
 
 
 def _is_json_document(head: bytes) -> bool:
@@ -419,10 +435,12 @@ def _is_json_document(head: bytes) -> bool:
     return head.startswith(b"[") or head.partition(b"\n")[0].strip() == b"{"
 
 
-def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line."""
+def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of every non-blank line, from byte `start` on (a line
+    start, with `lines` lines before it)."""
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        f.seek(start)
+        for lineno, raw in enumerate(f, start=lines + 1):
             line = raw.removeprefix(_UTF8_BOM) if lineno == 1 else raw
             if line.strip():
                 yield lineno, line
