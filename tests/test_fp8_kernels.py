@@ -48,12 +48,22 @@ def test_quantize_rows_kernel_before_the_cast(device: str) -> None:
 
 @pytest.mark.gpu
 def test_quantize_rows_kernel_casts_like_torch() -> None:
-    x = _rows()
-    q, s = quantize_rows_triton(x.cuda())
-    q_ref, s_ref = quantize_rows_reference(x)
+    """The kernel's cast is torch's CUDA cast of its own scaled values, bit for bit; its
+    division (Triton's approximate float32 one) moves a value by at most one FP8 step from
+    torch's on the same device. (The CPU's torch was the reference before: the H200 run
+    failed here while [300, 4096] rows against a CUDA reference matched exactly.)"""
+    x = _rows().cuda()
+    q, s = quantize_rows_triton(x)
+    scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    launch_quantize_rows(x, scaled, torch.empty_like(s))
+    q_ref, s_ref = quantize_rows_reference(x)  # torch, on the GPU
     assert q.dtype == FP8_DTYPE
-    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
-    assert (q.cpu().float() == q_ref.float()).float().mean() > 0.999
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert q.view(torch.uint8).equal(scaled.to(FP8_DTYPE).view(torch.uint8)), "the cast"
+    codes = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()  # same sign
+    bad = (codes > 1).nonzero().tolist()
+    assert not bad, f"{len(bad)} values more than one FP8 step off, e.g. (row, col) {bad[:5]}"
+    assert (codes == 0).float().mean() > 0.999, f"{int((codes > 0).sum())} values one step off"
 
 
 @pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)

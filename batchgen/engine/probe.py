@@ -7,15 +7,18 @@ A model is refused, with one line naming its family and the reason, when
 - or batchgen's log-probabilities on a probe input differ from the model's own forward pass
   (its eager attention, unfused modules) by more than the dtype's rounding.
 FP8: the model's own forward pass runs the same FP8 Linear layers (quantization is part of the
-model being checked, not an error of batchgen's), and with an FP8 KV cache its eager
-attention sees keys and values rounded as the cache stores them. What FP8 costs against the
-16-bit model is measured elsewhere (the benchmark's agreement and KL), not here.
+model being checked, not an error of batchgen's), with activations unquantized during the
+probe and the quantized product checked on its own (batchgen.engine.quant.check says why);
+with an FP8 KV cache its eager attention sees keys and values rounded as the cache stores
+them. What FP8 costs against the 16-bit model is measured elsewhere (the benchmark's
+agreement and KL), not here.
 The probe: fixed random prompts prefilled together in one step, then decoded a few steps, so
 the packed prefill, the paged cache and the decode path are all compared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.engine.attention import attention_audit, attention_scope
+from batchgen.engine.quant.check import fp8_probe_mode, fp8_product_error
+from batchgen.engine.quant.convert import is_quantized
 from batchgen.engine.quant.fp8 import FP8_DTYPE, round_to_fp8
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampling_params import SamplingParams
@@ -48,6 +53,15 @@ class ModelRefused(BatchgenError):
 def check_model(engine: Engine) -> None:
     """Raise ModelRefused unless the engine reproduces the model's own forward pass."""
     family = getattr(engine.model.config.get_text_config(), "model_type", "this") or "this"
+    fp8 = is_quantized(engine.model)
+    if fp8 and (reason := fp8_product_error(engine.model, engine.dtype)) is not None:
+        raise _refuse(family, reason)
+    with fp8_probe_mode(engine) if fp8 else contextlib.nullcontext():
+        _compare(engine, family)
+
+
+def _compare(engine: Engine, family: str) -> None:
+    """The probe requests through the engine against the model's own forward pass."""
     prompts = _probe_prompts(engine)
     params = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, logprobs=PROBE_TOP)
     with attention_audit() as audit:

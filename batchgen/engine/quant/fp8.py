@@ -13,6 +13,9 @@ quantized there).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -57,6 +60,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_reference(x)
 
 
+# True only inside unquantized_activations() (the model check at start-up)
+_UNQUANTIZED_ACTIVATIONS = [False]
+
+
+@contextmanager
+def unquantized_activations() -> Iterator[None]:
+    """While open, FP8 layers multiply their 16-bit input, not quantized, by their FP8 weights
+    (dequantized to the input's dtype): a 16-bit model with FP8-rounded weights, without the
+    per-token activation rounding whose discontinuities the model check must not compare
+    (batchgen.engine.quant.check)."""
+    _UNQUANTIZED_ACTIVATIONS[0] = True
+    try:
+        yield
+    finally:
+        _UNQUANTIZED_ACTIVATIONS[0] = False
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -66,7 +86,9 @@ def fp8_linear(
     """x: [..., K] 16/32-bit; weight: fp8 [N, K]; scale: float32 [N] -> [..., N] in x.dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] == 0:
+    if _UNQUANTIZED_ACTIVATIONS[0]:
+        out = torch.nn.functional.linear(x2, dequantize_weight(weight, scale, x.dtype))
+    elif x2.shape[0] == 0:
         out = x2.new_empty(0, weight.shape[0])
     elif x.is_cuda:
         xq, xs = quantize_rows(x2.contiguous())
@@ -78,11 +100,27 @@ def fp8_linear(
             out_dtype=torch.bfloat16,  # what row-wise scaling produces
         ).to(x.dtype)
     else:
-        xq, xs = quantize_rows_reference(x2)
-        out = ((xq.float() @ weight.float().t()) * xs[:, None] * scale[None, :]).to(x.dtype)
+        out = _fp8_product(*quantize_rows(x2), weight, scale, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def emulated_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] -> [M, N]: what fp8_linear computes (no bias), in torch on x's device: the
+    oracle of the GPU path (Triton quantization and torch._scaled_mm)."""
+    return _fp8_product(*quantize_rows_reference(x), weight, scale, x.dtype)
+
+
+def _fp8_product(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8 [M, K] x scale [M] times fp8 [N, K] x scale [N] -> [M, N] in dtype (float32 math)."""
+    return ((xq.float() @ weight.float().t()) * xs[:, None] * scale[None, :]).to(dtype)
 
 
 class Fp8Linear(nn.Module):
