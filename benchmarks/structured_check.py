@@ -1,29 +1,47 @@
-"""W1 on the 8b shape (random weights, the 32k bench tokenizer) with the example extraction
-schema on every row, against the same rows unconstrained, in one process:
+"""W1 on the 8b shape (random weights, the 32k bench tokenizer, 1024 rows) with the example
+extraction schema on every row, against the same rows unconstrained, in one process:
 
-    PYTHONPATH=$PWD python benchmarks/structured_check.py
+    PYTHONPATH=$PWD python benchmarks/structured_check.py [--rows 1024]
 
 The unconstrained run generates exactly the token counts the structured run produced (per row
 max_new_tokens, ignore_eos), so both do the same device work and the ratio of their tok/s is
 the grammar's cost: compile (cached after the first row), the host mask fill that overlaps the
 forward, the mask copy and its application in the sampler.
+
+A constrained step queues its forward, then reads the previous step's tokens and fills the
+mask while the forward runs, then queues the sampler: the device waits unless the host's whole
+loop (schedule, inputs, post-processing, and now the fill) fits in a step. The host split per
+step of both runs is printed to show which part does not.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from collections import defaultdict
 
 import torch
 
+import batchgen.engine.engine as engine_module
 from batchgen.bench.job_path import bench_tokenizer, build_model
-from batchgen.bench.workloads import SHAPES, WORKLOADS
+from batchgen.bench.workloads import SHAPES, WORKLOADS, Workload
 from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.engine.grammar import EXAMPLE_SCHEMA
 from batchgen.engine.request import Prompt
 from batchgen.models.tiny import batchgen_home
 
 TEMPERATURE, SEED = 1.0, 0
+PARTS = {  # label -> (object attribute path, method)
+    "schedule": ("scheduler", "schedule"),
+    "begin: inputs + queue forward": ("runner", "begin"),
+    "sample: queue sampler": ("runner", "sample"),
+    "launch (unconstrained: begin + sample)": ("runner", "launch"),
+    "post-process (incl. token wait)": ("", "_postprocess"),
+    "  of which waiting for tokens": ("module", "wait_tokens"),
+    "mask fill (consume + masks)": ("grammars", "fill"),
+    "  fill threads busy (summed)": ("grammars", "_fill_share"),
+}
 
 
 def _timed(engine: Engine, prompts: list[Prompt], params: SamplingParams) -> tuple[float, dict]:
@@ -34,19 +52,29 @@ def _timed(engine: Engine, prompts: list[Prompt], params: SamplingParams) -> tup
     return time.perf_counter() - start, outs
 
 
-def _fill_timer(engine: Engine) -> list[float]:
-    """Wrap the engine's mask fill; -> the list its per-step host seconds go to."""
-    grammars, spent = engine.grammars, []
-    fill = grammars.fill
+def _instrument(engine: Engine) -> dict[str, list[float]]:
+    """Wrap the loop's parts (PARTS); -> label -> the seconds of each call (appended from
+    any thread: list.append is atomic)."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    for label, (where, name) in PARTS.items():
+        owner = engine_module if where == "module" else getattr(engine, where, engine)
+        if where and where != "module" and owner is engine:
+            continue  # grammars not made yet
+        inner = getattr(owner, name)
 
-    def timed(rows, num_rows):
-        start = time.perf_counter()
-        out = fill(rows, num_rows)
-        spent.append(time.perf_counter() - start)
-        return out
+        def timed(*args, _inner=inner, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_label].append(time.perf_counter() - start)
 
-    grammars.fill = timed
+        setattr(owner, name, timed)
     return spent
+
+
+def _split(spent: dict[str, list[float]], steps: int) -> dict[str, float]:
+    return {label: 1e3 * sum(spent.get(label, [])) / max(1, steps) for label in PARTS}
 
 
 def _valid(text: str) -> bool:
@@ -64,31 +92,44 @@ def _valid(text: str) -> bool:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=1024)
+    rows = parser.parse_args().rows
     tokenizer = bench_tokenizer(batchgen_home())
     engine = Engine(build_model(SHAPES["8b"], tokenizer), EngineConfig(), tokenizer=tokenizer)
-    ids = WORKLOADS["W1"].prompts(len(tokenizer))
+    w1 = WORKLOADS["W1"]
+    ids = Workload("W1", rows, w1.prompt_range, w1.output_tokens).prompts(len(tokenizer))
     params = SamplingParams(max_new_tokens=256, temperature=TEMPERATURE, seed=SEED)
     schema = {"json_schema": EXAMPLE_SCHEMA}
     warm = [Prompt(p, f"w{i}", schema) for i, p in enumerate(ids[:32])]
     _timed(engine, warm, params.replace(max_new_tokens=16))  # compile, graphs, allocator
-    spent = _fill_timer(engine)
+    spent = _instrument(engine)
     structured = [Prompt(p, str(i), schema) for i, p in enumerate(ids)]
     s_time, s_out = _timed(engine, structured, params)
+    s_split, s_steps = dict(spent), len(spent["schedule"])
+    spent.clear()
     lengths = {k: len(o.output_token_ids) for k, o in s_out.items()}
     plain = [
         Prompt(p, str(i), {"max_new_tokens": lengths[str(i)], "ignore_eos": True})
         for i, p in enumerate(ids)
     ]
     u_time, u_out = _timed(engine, plain, params)
+    u_split, u_steps = dict(spent), len(spent["schedule"])
     assert {k: len(o.output_token_ids) for k, o in u_out.items()} == lengths
     tokens = sum(lengths.values())
     stopped = [o for o in s_out.values() if o.finish_reason == "stop"]
     valid = sum(_valid(o.text) for o in stopped)
     s_rate, u_rate = tokens / s_time, tokens / u_time
-    fill_ms = 1e3 * sum(spent) / max(1, len(spent))
+    fills = len(s_split.get("mask fill (consume + masks)", []))
     print(f"rows {len(ids)}, generated tokens {tokens} (same in both runs), vocab {len(tokenizer)}")
     print(f"structured rows ended stop: {len(stopped)}, valid under the schema: {valid}")
-    print(f"host mask fill: {len(spent)} steps, {fill_ms:.2f} ms per step on average")
+    print(f"fill threads {engine.grammars.threads}, steps with a mask fill {fills}")
+    print("| host ms per loop step | unconstrained | json_schema every row |\n|---|---|---|")
+    u_ms, s_ms = _split(u_split, u_steps), _split(s_split, s_steps)
+    for label in PARTS:
+        print(f"| {label} | {u_ms[label]:.2f} | {s_ms[label]:.2f} |")
+    u_loop, s_loop = 1e3 * u_time / max(1, u_steps), 1e3 * s_time / max(1, s_steps)
+    print(f"| whole loop step ({u_steps} / {s_steps} steps) | {u_loop:.2f} | {s_loop:.2f} |")
     print("| run | seconds | tok/s |\n|---|---|---|")
     print(f"| unconstrained | {u_time:.2f} | {u_rate:.0f} |")
     print(f"| json_schema every row | {s_time:.2f} | {s_rate:.0f} |")

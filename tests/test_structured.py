@@ -4,14 +4,23 @@ under a schema, regex or choice must still match it."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
-from batchgen.engine.grammar import EXAMPLE_SCHEMA
+from batchgen.engine.grammar import (
+    ALL_ALLOWED,
+    EXAMPLE_SCHEMA,
+    Grammars,
+    GrammarSpec,
+    GrammarState,
+)
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampler import apply_token_bitmask
 from batchgen.formats.openai_batch.requests import parse_request
@@ -180,3 +189,60 @@ def test_structured_rows_on_the_gpu_overlap_equals_sync(model_dir) -> None:
         assert re.fullmatch(REGEX, out["regex", 0].text)
         assert out["choice", 0].text in CHOICES
     assert texts[True] == texts[False]
+
+
+def _grammars(tokenizer, threads: int) -> Grammars:
+    eos = frozenset([tokenizer.eos_token_id])
+    return Grammars(tokenizer, len(tokenizer), eos, 16, torch.device("cpu"), threads)
+
+
+def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> None:
+    """Samples of one grammar spread over a lane per fill thread, and each step a thread takes
+    whole lanes (copies of a lane share its lexer's lock); the masks equal one thread's."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    spec = GrammarSpec("json_schema", SamplingParams(json_schema=EXAMPLE_SCHEMA).json_schema)
+    runs = {1: _grammars(tokenizer, 1), 3: _grammars(tokenizer, 3)}
+    rows = {}
+    for threads, grammars in runs.items():
+        compiled = grammars.submit(spec).result()
+        rows[threads] = [_row(grammars.matcher(compiled)) for _ in range(2)]
+        assert len(compiled.lanes) == 1 and compiled.widened is not None  # a second use
+        compiled.widened.result()
+        rows[threads] += [_row(grammars.matcher(compiled)) for _ in range(5)]
+    runs[3].prepare(GrammarSpec("regex", REGEX))  # a job-wide grammar: every lane at once
+    assert len(runs[3].submit(GrammarSpec("regex", REGEX)).result().lanes) == 3
+    assert [len({r.grammar.lexer for r in rows[t]}) for t in runs] == [1, 3]
+    lexer_of = {id(r.grammar.matcher): r.grammar.lexer for r in rows[3]}
+    shares = []  # per fill call on 3 threads: the lexers of each thread's share
+    fill_share = runs[3]._fill_share
+    runs[3]._fill_share = lambda k, consume, work, mask: (
+        shares.append({lexer_of[id(m)] for m, _ in work}),
+        fill_share(k, consume, work, mask),
+    )
+    llg_torch = pytest.importorskip("llguidance.torch")
+    plain = [runs[1].submit(spec).result().lanes[0].deep_copy() for _ in range(7)]
+    expected = torch.full((9, runs[1].host_mask.shape[1]), ALL_ALLOWED, dtype=torch.int32)
+    rng, shifts = random.Random(0), torch.arange(32, dtype=torch.int32)
+    quotes = {t for t in range(len(tokenizer)) if '"' in tokenizer.decode([t])}
+    for _ in range(30):  # strings, between keys, the enum, the integer, the array
+        masks = {t: g.fill(rows[t], 9).clone() for t, g in runs.items()}
+        for row, matcher in enumerate(plain):  # llguidance itself, one matcher at a time
+            llg_torch.fill_next_token_bitmask(matcher, expected, row)
+        assert torch.equal(masks[1], expected) and torch.equal(masks[3], expected)
+        assert (masks[3][7:] == ALL_ALLOWED).all()  # padding rows
+        for row in range(7):
+            allowed = ((masks[1][row][:, None] >> shifts) & 1).view(-1).nonzero().view(-1)
+            ending = [t for t in allowed.tolist() if t in quotes]  # leave strings sooner
+            pick = ending if ending and rng.random() < 0.3 else allowed.tolist()
+            token = pick[rng.randrange(len(pick))]
+            for t in runs:
+                rows[t][row].output_token_ids.append(token)
+            assert plain[row].consume_token(token)
+    assert len(shares) == 3 * 30 and all(len(lexers) == 1 for lexers in shares)
+    for grammars in runs.values():
+        grammars.close()
+
+
+def _row(state: GrammarState) -> SimpleNamespace:
+    """What Grammars.fill reads of a request."""
+    return SimpleNamespace(grammar=state, finish_reason=None, output_token_ids=[])

@@ -43,7 +43,8 @@ class EngineConfig:
     seed: int = 0  # base of per-request seeds when a request gives none
     # torch's intra-op threads on the CPU device; None = the cores this process may use less
     # one (left to the job's tokenizer and writer threads), at least 1, unless OMP_NUM_THREADS
-    # is set (then torch's own choice stands)
+    # is set (then torch's own choice stands). Also the structured-output mask fill's threads
+    # on any device (None: every core this process may use)
     cpu_threads: int | None = None
     # compare the engine with the model's own forward pass on a probe input at start-up, and
     # refuse a model it would run wrongly (off only for the engine's own tests)

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fingerprint import model_fingerprint
-from batchgen.engine.grammar import Grammars, grammar_spec
+from batchgen.engine.grammar import Grammars, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
@@ -218,11 +218,12 @@ class Engine:
         return None
 
     def check_grammar(self, params: SamplingParams) -> None:
-        """Compile params' structured output now (cached for its requests); ValueError saying
-        why it cannot be compiled. For a job's [sampling]: one error, not one per row."""
+        """Compile params' structured output now, a lane per fill thread (cached for its
+        requests); ValueError saying why it cannot be compiled. For a job's [sampling]: one
+        error, not one per row."""
         spec = grammar_spec(params)
         if spec is not None:
-            self._grammars().submit(spec).result()
+            self._grammars().prepare(spec)
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
@@ -232,6 +233,7 @@ class Engine:
                 self.eos_token_ids,
                 self.config.max_num_seqs,
                 self.device,
+                fill_threads(self.config.cpu_threads),
             )
         return self.grammars
 

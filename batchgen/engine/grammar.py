@@ -8,6 +8,13 @@ raw control characters (invalid JSON), and escapes are refused there. llguidance
 former, compiles schemas faster, and its fill is cheap enough to hide under the forward.
 It is imported lazily: a job without structured outputs never needs it.
 
+Parallel fill: an llguidance matcher's copies share its lexer under one lock (the lexer's
+automaton is built lazily while a mask is computed), so the masks of many copies of one
+compiled matcher are computed one at a time, whatever the thread count. A grammar used by
+more than one sample is therefore compiled into `lanes` (one per fill thread, each with its
+own lexer), samples are spread over the lanes, and each step every fill thread advances and
+fills the samples of whole lanes: no two threads ever wait on the same lexer.
+
 JSON (json_schema, json_object) is generated compact, without free whitespace between tokens:
 a weak model otherwise spends its token budget on newlines.
 
@@ -32,7 +39,7 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
 
 COMPILE_THREADS = 1  # one compile at a time, beside the engine thread
-FILL_THREADS = min(8, os.cpu_count() or 1)  # threads of the batched mask fill
+MAX_FILL_THREADS = 32  # beyond this a step's rows are too few to share out
 ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 COMPACT_JSON = {"whitespace_flexible": False}  # llguidance JSON options: "," and ":" alone
 ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's json_object mode
@@ -71,18 +78,41 @@ def _llguidance() -> Any:
     return llguidance
 
 
+def fill_threads(cpu_threads: int | None) -> int:
+    """Threads of the mask fill: the engine's cpu_threads when set (a rank's share of the
+    machine), else every core this process may use (the engine thread waits meanwhile)."""
+    threads = cpu_threads or len(os.sched_getaffinity(0))
+    return max(1, min(MAX_FILL_THREADS, threads))
+
+
+@dataclass(eq=False)
+class Compiled:
+    """A grammar's lanes: matchers of it in their start state, each with its own lexer.
+
+    Lane 0 is compiled first; the rest once a second sample uses the grammar (a grammar of
+    one row costs one compile). The compile thread appends lanes; the engine thread reads.
+    """
+
+    spec: GrammarSpec
+    lanes: list[Any]  # llguidance.LLMatcher, one per lane
+    uses: int = 0  # samples given a matcher so far (they go round the lanes)
+    widened: Future | None = None  # the compile of the other lanes, once asked for
+
+
 @dataclass(eq=False)
 class GrammarState:
-    """A sample's matcher and how many of its output tokens it has consumed."""
+    """A sample's matcher, its lane's lexer, and how many output tokens it has consumed."""
 
     matcher: Any  # llguidance.LLMatcher
+    lexer: int  # id of the lane matcher it was copied from: copies of one share a lexer
     accepted: int = 0
 
 
 class Grammars:
     """Compiles grammars in a thread (cached by spec), makes matchers, fills step bitmasks.
 
-    Only the engine thread calls it; the compile thread only runs `_compile`.
+    Only the engine thread calls it; the compile thread runs `_compile` and `_add_lanes`, the
+    fill threads `_fill_share` (each on whole lanes, see the module docstring).
     """
 
     def __init__(
@@ -92,13 +122,17 @@ class Grammars:
         eos_token_ids: frozenset[int],
         max_rows: int,
         device: torch.device,
+        threads: int = 1,
     ) -> None:
         self._llg = _llguidance()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="batchgen-grammar")
-        self._cache: dict[GrammarSpec, Future] = {}
+        self._cache: dict[GrammarSpec, Future] = {}  # spec -> future of its Compiled
         eos = sorted(eos_token_ids)
         self._tokenizer = self._pool.submit(self._make_tokenizer, tokenizer, vocab_size, eos)
-        self._executor = self._llg.LLExecutor(num_threads=FILL_THREADS)
+        self.threads = threads
+        self._fillers = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-fill")
+        # one single-threaded llguidance executor per fill thread: its calls drop the GIL
+        self._executors = [self._llg.LLExecutor(num_threads=1) for _ in range(threads)]
         width = (vocab_size + 31) // 32
         cuda = device.type == "cuda"
         # host_mask[row]: the step's bitmask, bit t of word w allows token 32 * w + t
@@ -112,14 +146,21 @@ class Grammars:
         return self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
     def submit(self, spec: GrammarSpec) -> Future:
-        """-> a future of a fresh matcher of the grammar, to copy per sample (its exception:
-        ValueError saying why the grammar cannot be compiled)."""
+        """-> a future of the grammar's Compiled, to give each sample a matcher from (its
+        exception: ValueError saying why the grammar cannot be compiled)."""
         future = self._cache.get(spec)
         if future is None:
             future = self._cache[spec] = self._pool.submit(self._compile, spec)
         return future
 
-    def _compile(self, spec: GrammarSpec) -> Any:
+    def prepare(self, spec: GrammarSpec) -> None:
+        """Compile spec with all its lanes now, for a grammar every row will use; ValueError."""
+        self._widen(self.submit(spec).result()).result()
+
+    def _compile(self, spec: GrammarSpec) -> Compiled:
+        return Compiled(spec, [self._lane(spec)])
+
+    def _lane(self, spec: GrammarSpec) -> Any:
         llg = self._llg
         tokenizer = self._tokenizer.result()
         try:
@@ -138,34 +179,52 @@ class Grammars:
             raise ValueError(f"{spec.kind} cannot be compiled ({reason}): fix it")
         return matcher
 
-    def matcher(self, compiled: Any) -> GrammarState:
-        return GrammarState(compiled.deep_copy())
+    def _widen(self, compiled: Compiled) -> Future:
+        if compiled.widened is None:
+            compiled.widened = self._pool.submit(self._add_lanes, compiled)
+        return compiled.widened
+
+    def _add_lanes(self, compiled: Compiled) -> None:
+        while len(compiled.lanes) < self.threads:
+            compiled.lanes.append(self._lane(compiled.spec))  # append: atomic for the reader
+
+    def matcher(self, compiled: Compiled) -> GrammarState:
+        """A new sample's matcher, on the grammar's next lane."""
+        lane = compiled.lanes[compiled.uses % len(compiled.lanes)]
+        compiled.uses += 1
+        if compiled.uses == 2:
+            self._widen(compiled)  # a grammar shared by samples: give it every lane
+        return GrammarState(lane.deep_copy(), id(lane))
 
     def fill(self, rows: list[Any], num_rows: int) -> torch.Tensor:
         """rows: the step's sampled requests in row order (padding rows follow, up to
         num_rows). -> device bitmask [num_rows, words] int32 (all-allowed where unconstrained).
 
-        Each constrained matcher first consumes its sample's newest output tokens.
+        Each constrained matcher first consumes its sample's newest output tokens; that and
+        the mask run on the fill threads, each thread on whole lanes.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's mask has left host_mask
         mask = self.host_mask[:num_rows]
         mask.fill_(ALL_ALLOWED)
-        work = []  # (matcher, row)
+        lanes: dict[int, tuple[list, list]] = {}  # lexer -> ([(matcher, token)], [(matcher, row)])
         for i, request in enumerate(rows):
             state = request.grammar
             if state is None or request.finish_reason is not None:
                 continue  # unconstrained, or ended: the row's token will be dropped
+            consume, work = lanes.setdefault(state.lexer, ([], []))
             outputs = request.output_token_ids
-            if len(outputs) > state.accepted:
-                if not state.matcher.consume_tokens(outputs[state.accepted :]):
-                    raise RuntimeError(
-                        f"grammar refused a token it allowed: {state.matcher.get_error()}"
-                    )
-                state.accepted = len(outputs)
+            new = len(outputs) - state.accepted
+            if new == 1:
+                consume.append((state.matcher, outputs[-1]))
+            elif new > 1:  # not sampled for a while (does not happen in the engine's loop)
+                _check_consumed([state.matcher], [state.matcher.consume_tokens(outputs[-new:])])
+            state.accepted = len(outputs)
             work.append((state.matcher, i))
-        if work:
-            self._llg.torch.fill_next_token_bitmask_par(self._executor, work, mask)
+        shares = _share_out(list(lanes.values()), self.threads)
+        done = [self._fillers.submit(self._fill_share, k, *sh, mask) for k, sh in enumerate(shares)]
+        for future in done:
+            future.result()
         if self._copied is None:
             return mask
         out = self.device_mask[:num_rows]
@@ -173,8 +232,33 @@ class Grammars:
         self._copied.record()
         return out
 
+    def _fill_share(self, k: int, consume: list, work: list, mask: torch.Tensor) -> None:
+        """On fill thread k: advance its matchers by their newest token, fill their rows."""
+        executor = self._executors[k]
+        if consume:
+            _check_consumed([m for m, _ in consume], executor.consume_token_par(consume))
+        self._llg.torch.fill_next_token_bitmask_par(executor, work, mask)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fillers.shutdown(wait=False, cancel_futures=True)
+
+
+def _share_out(lanes: list[tuple[list, list]], threads: int) -> list[tuple[list, list]]:
+    """Whole lanes to at most `threads` shares, the largest lane first to the lightest share.
+    -> non-empty shares of (consume pairs, work pairs)."""
+    shares: list[tuple[list, list]] = [([], []) for _ in range(min(threads, len(lanes)))]
+    for consume, work in sorted(lanes, key=lambda lane: -len(lane[1])):
+        lightest = min(shares, key=lambda share: len(share[1]))
+        lightest[0].extend(consume)
+        lightest[1].extend(work)
+    return shares
+
+
+def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
+    for matcher, ok in zip(matchers, accepted, strict=True):
+        if not ok:
+            raise RuntimeError(f"grammar refused a token it allowed: {matcher.get_error()}")
 
 
 def _choice_lark(choices: list[str]) -> str:
