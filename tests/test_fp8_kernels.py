@@ -8,6 +8,10 @@ on the GPU only. Reading an FP8 cache (the cast up) the interpreter does correct
 
 from __future__ import annotations
 
+# first: it sets TRITON_INTERPRET (no CUDA) before anything loads triton's kernels; later
+# modules' interpreted kernels fail ("0 active drivers") otherwise
+from tests import test_kernels as tk  # isort: split
+
 import pytest
 import torch
 
@@ -18,7 +22,6 @@ from batchgen.engine.kernels.fp8_quant import (
     quantize_rows_triton,
 )
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows_reference
-from tests import test_kernels as tk  # sets TRITON_INTERPRET and adapts the interpreter
 
 DEVICES = tk.DEVICES
 
