@@ -12,7 +12,9 @@ under one lock: the fill is serial whatever the thread count); "lanes" is what t
 (one call into llguidance's executor per step, from the calling thread); "lanes, py threads" is
 the design it replaced: a Python thread per share of whole lanes, each calling its own
 one-thread executor (each call must take the GIL back, at sys.setswitchinterval, which
---switch-ms sets: batchgen runs at runtime.switch_interval_ms = 5).
+--switch-ms sets: batchgen runs at runtime.switch_interval_ms = 5); "lanes, torch fill_" is
+the engine's design with the mask reset by torch's fill_ instead of numpy (torch's OpenMP
+threads then spin on the cores llguidance's threads need).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class ThreadedGrammars(Grammars):
 
     def fill(self, rows: list, num_rows: int) -> torch.Tensor:
         mask = self.host_mask[:num_rows]
-        mask.fill_(-1)
+        self._allow_all(mask)
         consume, work = self._step_work(rows)
         token = {id(m): t for m, t in consume}
         lanes: dict[int, list] = {}  # lexer -> work pairs
@@ -93,11 +95,24 @@ class ThreadedGrammars(Grammars):
         self._fillers.shutdown()
 
 
+class TorchFillGrammars(Grammars):
+    """The engine's fill, but the mask reset each step by torch (it was, before)."""
+
+    @staticmethod
+    def _allow_all(mask: torch.Tensor) -> None:
+        mask.fill_(-1)
+
+
 def _sample(state: GrammarState) -> SimpleNamespace:
     return SimpleNamespace(grammar=state, finish_reason=None, output_token_ids=[])
 
 
-DESIGNS = {"one lexer": Grammars, "lanes": Grammars, "lanes, py threads": ThreadedGrammars}
+DESIGNS = {
+    "one lexer": Grammars,
+    "lanes": Grammars,
+    "lanes, py threads": ThreadedGrammars,
+    "lanes, torch fill_": TorchFillGrammars,
+}
 
 
 def replay(tokenizer, docs: list[list[int]], threads: int, design: str) -> dict[str, float]:
