@@ -3,18 +3,27 @@ matcher consumes its newest token, then the step's bitmask is filled) over a bat
 of the example schema, with the 32k bench tokenizer.
 
     PYTHONPATH=$PWD python benchmarks/grammar_fill.py [--rows 256] [--threads 1 4 16]
+        [--switch-ms 5 0.1]
 
 The samples replay seeded documents drawn uniformly among the allowed tokens (what a random-
 weight model does): mid-string, between keys, in numbers and arrays, then finished rows drop
 out. "one lexer" gives every sample a copy of one compiled matcher (copies share its lexer
-under one lock: the fill is serial whatever the thread count); "lanes" is what the engine does.
+under one lock: the fill is serial whatever the thread count); "lanes" is what the engine does
+(one call into llguidance's executor per step, from the calling thread); "lanes, py threads" is
+the design it replaced: a Python thread per share of whole lanes, each calling its own
+one-thread executor (each call must take the GIL back, at sys.setswitchinterval, which
+--switch-ms sets: batchgen runs at runtime.switch_interval_ms = 5); "lanes, torch fill_" is
+the engine's design with the mask reset by torch's fill_ instead of numpy (torch's OpenMP
+threads then spin on the cores llguidance's threads need).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import torch
@@ -49,14 +58,70 @@ def documents(tokenizer, rows: int, seed: int = 0) -> list[list[int]]:
     return [s.output_token_ids for s in samples]
 
 
+class ThreadedGrammars(Grammars):
+    """The replaced fill: whole lanes shared out to Python threads, one executor each."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self._fillers = ThreadPoolExecutor(self.threads, thread_name_prefix="bench-fill")
+        self._executors = [self._llg.LLExecutor(num_threads=1) for _ in range(self.threads)]
+
+    def fill(self, rows: list, num_rows: int) -> torch.Tensor:
+        mask = self.host_mask[:num_rows]
+        self._allow_all(mask)
+        consume, work = self._step_work(rows)
+        token = {id(m): t for m, t in consume}
+        lanes: dict[int, list] = {}  # lexer -> work pairs
+        for m, row in work:
+            lanes.setdefault(rows[row].grammar.lexer, []).append((m, row))
+        shares: list[list] = [[] for _ in range(min(self.threads, len(lanes)))]
+        for lane in sorted(lanes.values(), key=len, reverse=True):
+            min(shares, key=len).extend(lane)  # the largest lane to the lightest share
+        jobs = [
+            self._fillers.submit(self._share, k, sh, token, mask) for k, sh in enumerate(shares)
+        ]
+        for job in jobs:
+            job.result()
+        return mask
+
+    def _share(self, k: int, work: list, token: dict, mask: torch.Tensor) -> None:
+        consume = [(m, token[id(m)]) for m, _ in work if id(m) in token]
+        if consume:
+            assert all(self._executors[k].consume_token_par(consume))
+        self._llg.torch.fill_next_token_bitmask_par(self._executors[k], work, mask)
+
+    def close(self) -> None:
+        super().close()
+        self._fillers.shutdown()
+
+
+class TorchFillGrammars(Grammars):
+    """The engine's fill, but the mask reset each step by torch (it was, before)."""
+
+    @staticmethod
+    def _allow_all(mask: torch.Tensor) -> None:
+        mask.fill_(-1)
+
+
 def _sample(state: GrammarState) -> SimpleNamespace:
     return SimpleNamespace(grammar=state, finish_reason=None, output_token_ids=[])
 
 
-def replay(tokenizer, docs: list[list[int]], threads: int, lanes: bool) -> dict[str, float]:
+DESIGNS = {
+    "one lexer": Grammars,
+    "lanes": Grammars,
+    "lanes, py threads": ThreadedGrammars,
+    "lanes, torch fill_": TorchFillGrammars,
+}
+
+
+def replay(tokenizer, docs: list[list[int]], threads: int, design: str) -> dict[str, float]:
     """-> per step: wall ms, CPU ms (all threads), constrained rows."""
     eos = frozenset([tokenizer.eos_token_id])
-    grammars = Grammars(tokenizer, len(tokenizer), eos, len(docs), torch.device("cpu"), threads)
+    lanes = design != "one lexer"
+    grammars = DESIGNS[design](
+        tokenizer, len(tokenizer), eos, len(docs), torch.device("cpu"), threads
+    )
     if lanes:
         grammars.prepare(SPEC)
     compiled = grammars.submit(SPEC).result()
@@ -85,20 +150,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--switch-ms", type=float, nargs="+", default=[5.0])
     args = parser.parse_args()
     tokenizer = bench_tokenizer(batchgen_home())
     docs = documents(tokenizer, args.rows)
     mean = sum(map(len, docs)) / len(docs)
     print(f"rows {args.rows}, vocab {len(tokenizer)}, tokens per document {mean:.1f}")
-    print("| matchers | threads | fill ms/step (wall) | CPU ms/step | rows/step |")
-    print("|---|---|---|---|---|")
-    for threads in args.threads:
-        for lanes in (False, True):
-            r = replay(tokenizer, docs, threads, lanes)
-            name = "lanes" if lanes else "one lexer"
-            print(
-                f"| {name} | {threads} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} | {r['rows']:.0f} |"
-            )
+    print("| matchers | threads | switch ms | fill ms/step (wall) | CPU ms/step | rows/step |")
+    print("|---|---|---|---|---|---|")
+    for switch in args.switch_ms:
+        sys.setswitchinterval(switch / 1e3)
+        for threads in args.threads:
+            for design in DESIGNS:
+                r = replay(tokenizer, docs, threads, design)
+                print(
+                    f"| {design} | {threads} | {switch:g} | {r['wall_ms']:.2f} "
+                    f"| {r['cpu_ms']:.2f} | {r['rows']:.0f} |"
+                )
 
 
 if __name__ == "__main__":

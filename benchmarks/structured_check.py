@@ -40,7 +40,7 @@ PARTS = {  # label -> (object attribute path, method)
     "post-process (incl. token wait)": ("", "_postprocess"),
     "  of which waiting for tokens": ("module", "wait_tokens"),
     "mask fill (consume + masks)": ("grammars", "fill"),
-    "  fill threads busy (summed)": ("grammars", "_fill_share"),
+    "  of which the work list (Python; the rest is llguidance)": ("grammars", "_step_work"),
 }
 
 

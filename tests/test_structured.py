@@ -197,8 +197,9 @@ def _grammars(tokenizer, threads: int) -> Grammars:
 
 
 def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> None:
-    """Samples of one grammar spread over a lane per fill thread, and each step a thread takes
-    whole lanes (copies of a lane share its lexer's lock); the masks equal one thread's."""
+    """Samples of one grammar spread over a lane per fill thread, and each step's work list
+    holds each lane's rows contiguously (the executor splits it into contiguous ranges; copies
+    of a lane share its lexer's lock); the masks equal one matcher's, filled one at a time."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
     spec = GrammarSpec("json_schema", SamplingParams(json_schema=EXAMPLE_SCHEMA).json_schema)
     runs = {1: _grammars(tokenizer, 1), 3: _grammars(tokenizer, 3)}
@@ -213,12 +214,15 @@ def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> Non
     assert len(runs[3].submit(GrammarSpec("regex", REGEX)).result().lanes) == 3
     assert [len({r.grammar.lexer for r in rows[t]}) for t in runs] == [1, 3]
     lexer_of = {id(r.grammar.matcher): r.grammar.lexer for r in rows[3]}
-    shares = []  # per fill call on 3 threads: the lexers of each thread's share
-    fill_share = runs[3]._fill_share
-    runs[3]._fill_share = lambda k, consume, work, mask: (
-        shares.append({lexer_of[id(m)] for m, _ in work}),
-        fill_share(k, consume, work, mask),
-    )
+    orders = []  # per fill call on 3 threads: the lexers along its consume and work lists
+    step_work = runs[3]._step_work
+
+    def recorded(rows: list) -> tuple[list, list]:
+        consume, work = step_work(rows)
+        orders.extend([[lexer_of[id(m)] for m, _ in pairs] for pairs in (consume, work)])
+        return consume, work
+
+    runs[3]._step_work = recorded
     llg_torch = pytest.importorskip("llguidance.torch")
     plain = [runs[1].submit(spec).result().lanes[0].deep_copy() for _ in range(7)]
     expected = torch.full((9, runs[1].host_mask.shape[1]), ALL_ALLOWED, dtype=torch.int32)
@@ -238,9 +242,15 @@ def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> Non
             for t in runs:
                 rows[t][row].output_token_ids.append(token)
             assert plain[row].consume_token(token)
-    assert len(shares) == 3 * 30 and all(len(lexers) == 1 for lexers in shares)
+    assert len(orders) == 2 * 30 and all(len(o) == 7 for o in orders[1::2])
+    assert all(_runs(o) == len(set(o)) for o in orders) and len(set(orders[1])) == 3
     for grammars in runs.values():
         grammars.close()
+
+
+def _runs(lexers: list[int]) -> int:
+    """Runs of equal neighbours in lexers: its number of distinct values iff each is contiguous."""
+    return sum(1 for i, lexer in enumerate(lexers) if i == 0 or lexers[i - 1] != lexer)
 
 
 def _row(state: GrammarState) -> SimpleNamespace:

@@ -12,8 +12,13 @@ Parallel fill: an llguidance matcher's copies share its lexer under one lock (th
 automaton is built lazily while a mask is computed), so the masks of many copies of one
 compiled matcher are computed one at a time, whatever the thread count. A grammar used by
 more than one sample is therefore compiled into `lanes` (one per fill thread, each with its
-own lexer), samples are spread over the lanes, and each step every fill thread advances and
-fills the samples of whole lanes: no two threads ever wait on the same lexer.
+own lexer) and samples are spread over the lanes. Each step is two calls into llguidance from
+the engine thread, both on one executor of `threads` Rust threads with the GIL dropped: the
+matchers consume their newest tokens, then every constrained row's mask is filled. No Python
+thread takes part, so no fill waits on the GIL. The work list holds each lane's rows
+contiguously: the executor (rayon) splits the list into contiguous ranges, so a thread mostly
+meets rows of one lane, and two threads meet on a lane's lock only where a range boundary
+falls inside it.
 
 JSON (json_schema, json_object) is generated compact, without free whitespace between tokens:
 a weak model otherwise spends its token budget on newlines.
@@ -112,7 +117,7 @@ class Grammars:
     """Compiles grammars in a thread (cached by spec), makes matchers, fills step bitmasks.
 
     Only the engine thread calls it; the compile thread runs `_compile` and `_add_lanes`, the
-    fill threads `_fill_share` (each on whole lanes, see the module docstring).
+    executor's Rust threads the consume and the fill (see the module docstring).
     """
 
     def __init__(
@@ -130,9 +135,7 @@ class Grammars:
         eos = sorted(eos_token_ids)
         self._tokenizer = self._pool.submit(self._make_tokenizer, tokenizer, vocab_size, eos)
         self.threads = threads
-        self._fillers = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-fill")
-        # one single-threaded llguidance executor per fill thread: its calls drop the GIL
-        self._executors = [self._llg.LLExecutor(num_threads=1) for _ in range(threads)]
+        self._executor = self._llg.LLExecutor(num_threads=threads)  # its calls drop the GIL
         width = (vocab_size + 31) // 32
         cuda = device.type == "cuda"
         # host_mask[row]: the step's bitmask, bit t of word w allows token 32 * w + t
@@ -200,14 +203,36 @@ class Grammars:
         """rows: the step's sampled requests in row order (padding rows follow, up to
         num_rows). -> device bitmask [num_rows, words] int32 (all-allowed where unconstrained).
 
-        Each constrained matcher first consumes its sample's newest output tokens; that and
-        the mask run on the fill threads, each thread on whole lanes.
+        Each constrained matcher first consumes its sample's newest output token, then its
+        row's mask is filled: one call each, on the executor's threads.
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's mask has left host_mask
         mask = self.host_mask[:num_rows]
-        mask.fill_(ALL_ALLOWED)
-        lanes: dict[int, tuple[list, list]] = {}  # lexer -> ([(matcher, token)], [(matcher, row)])
+        self._allow_all(mask)
+        consume, work = self._step_work(rows)
+        if consume:
+            matchers = [m for m, _ in consume]
+            _check_consumed(matchers, self._executor.consume_token_par(consume))
+        if work:
+            self._llg.torch.fill_next_token_bitmask_par(self._executor, work, mask)
+        if self._copied is None:
+            return mask
+        out = self.device_mask[:num_rows]
+        out.copy_(mask, non_blocking=True)
+        self._copied.record()
+        return out
+
+    @staticmethod
+    def _allow_all(mask: torch.Tensor) -> None:
+        """Every bit of mask set, by numpy: torch's fill_ wakes its OpenMP threads, which then
+        spin on the cores the executor's threads need (2-3x slower fills measured)."""
+        mask.numpy().fill(ALL_ALLOWED)
+
+    def _step_work(self, rows: list[Any]) -> tuple[list, list]:
+        """-> ([(matcher, newest token)], [(matcher, row)]) of the constrained rows, each
+        lane's rows contiguous in both lists (lanes in order of their first row)."""
+        lanes: dict[int, tuple[list, list]] = {}  # lexer -> (consume pairs, work pairs)
         for i, request in enumerate(rows):
             state = request.grammar
             if state is None or request.finish_reason is not None:
@@ -221,38 +246,11 @@ class Grammars:
                 _check_consumed([state.matcher], [state.matcher.consume_tokens(outputs[-new:])])
             state.accepted = len(outputs)
             work.append((state.matcher, i))
-        shares = _share_out(list(lanes.values()), self.threads)
-        done = [self._fillers.submit(self._fill_share, k, *sh, mask) for k, sh in enumerate(shares)]
-        for future in done:
-            future.result()
-        if self._copied is None:
-            return mask
-        out = self.device_mask[:num_rows]
-        out.copy_(mask, non_blocking=True)
-        self._copied.record()
-        return out
-
-    def _fill_share(self, k: int, consume: list, work: list, mask: torch.Tensor) -> None:
-        """On fill thread k: advance its matchers by their newest token, fill their rows."""
-        executor = self._executors[k]
-        if consume:
-            _check_consumed([m for m, _ in consume], executor.consume_token_par(consume))
-        self._llg.torch.fill_next_token_bitmask_par(executor, work, mask)
+        consume = [pair for lane, _ in lanes.values() for pair in lane]
+        return consume, [pair for _, lane in lanes.values() for pair in lane]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._fillers.shutdown(wait=False, cancel_futures=True)
-
-
-def _share_out(lanes: list[tuple[list, list]], threads: int) -> list[tuple[list, list]]:
-    """Whole lanes to at most `threads` shares, the largest lane first to the lightest share.
-    -> non-empty shares of (consume pairs, work pairs)."""
-    shares: list[tuple[list, list]] = [([], []) for _ in range(min(threads, len(lanes)))]
-    for consume, work in sorted(lanes, key=lambda lane: -len(lane[1])):
-        lightest = min(shares, key=lambda share: len(share[1]))
-        lightest[0].extend(consume)
-        lightest[1].extend(work)
-    return shares
 
 
 def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
