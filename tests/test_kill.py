@@ -101,14 +101,15 @@ def wait_for_shards(proc: subprocess.Popen, out: Path, at_least: int, timeout: f
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_sigkill_at_random_moments_loses_nothing_and_duplicates_nothing(
-    model_dir, tmp_path, sampling: str
+    model_dir, tmp_path
 ) -> None:
-    """Kill -9 at random moments, then finish: every id once, every text as uninterrupted
-    (greedy, and seeded sampling whose draws depend on seed and position only)."""
+    """Kill -9 at random moments, then finish: every id once, every text as uninterrupted.
+    Seeded sampling (draws depend on seed and position only) is the stricter case of greedy:
+    one process start costs seconds, so the greedy variant of this test was dropped; greedy
+    kills are covered by test_faults, test_fuzz and the object-store and data-parallel tests."""
     model = model_dir("llama")
-    extra = tuple(SAMPLED) if sampling == "sampled" else ()
+    extra = tuple(SAMPLED)
     reference = subprocess.run(
         make_job(model, tmp_path, "ref", extra), capture_output=True, text=True
     )
