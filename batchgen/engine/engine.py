@@ -240,8 +240,6 @@ class Engine:
     def _admit_compiled(self, wait: float) -> list[RequestOutput]:
         """Samples whose grammar is compiled enter the scheduler (each with its own matcher);
         a grammar that cannot be compiled ends its request as an error. Waits up to `wait` s."""
-        if not self._compiling:
-            return []
         if wait > 0:
             wait_futures([f for _, f in self._compiling], wait, return_when=FIRST_COMPLETED)
         errors, still = [], []
@@ -289,8 +287,10 @@ class Engine:
         profiler = self.profiler
         if profiler is not None:
             profiler.schedule_begin()
-        quiet = not self.scheduler.has_work() and self._in_flight is None and not self._held
-        finished = self._admit_compiled(VERDICT_WAIT_S if quiet else 0.0)
+        finished = []
+        if self._compiling:  # structured-output samples whose grammar may have compiled
+            quiet = not self.scheduler.has_work() and self._in_flight is None and not self._held
+            finished = self._admit_compiled(VERDICT_WAIT_S if quiet else 0.0)
         batch = self.scheduler.schedule()
         if profiler is not None and batch.chunks:
             profiler.scheduled(batch)
@@ -323,8 +323,10 @@ class Engine:
         """
         if not batch.chunks:
             return None, []
+        if self.grammars is None:  # no structured output yet: nothing per row to look at
+            return (batch, self.runner.launch(batch)), []
         rows = [c.request for c in batch.chunks if c.samples]
-        if self.grammars is None or all(r.grammar is None for r in rows):
+        if all(r.grammar is None for r in rows):
             return (batch, self.runner.launch(batch)), []
         begun = self.runner.begin(batch)
         previous, self._in_flight = self._in_flight, None
