@@ -1,6 +1,7 @@
 """xgrammar against llguidance on this machine's CPU: tokenizer setup, schema compile time,
 per-token mask time along a valid document, and the batched mask fill of 64 matchers.
 
+    pip install xgrammar   # not one of batchgen's requirements: only this comparison uses it
     PYTHONPATH=$PWD python benchmarks/grammar_engines.py
 
 Tokenizers: the tests' 1k byte-level BPE and the benchmarks' 32k one (batchgen.bench.job_path).
