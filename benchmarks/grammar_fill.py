@@ -9,12 +9,11 @@ The samples replay seeded documents drawn uniformly among the allowed tokens (wh
 weight model does): mid-string, between keys, in numbers and arrays, then finished rows drop
 out. "one lexer" gives every sample a copy of one compiled matcher (copies share its lexer
 under one lock: the fill is serial whatever the thread count); "lanes" is what the engine does
-(one call into llguidance's executor per step, from the calling thread); "lanes, py threads" is
-the design it replaced: a Python thread per share of whole lanes, each calling its own
-one-thread executor (each call must take the GIL back, at sys.setswitchinterval, which
---switch-ms sets: batchgen runs at runtime.switch_interval_ms = 5); "lanes, torch fill_" is
-the engine's design with the mask reset by torch's fill_ instead of numpy (torch's OpenMP
-threads then spin on the cores llguidance's threads need).
+(one call into llguidance's executor per step, on the fill thread, while the calling thread
+waits); "lanes, torch fill_" is the engine's design with the mask reset by torch's fill_
+instead of numpy (torch's OpenMP threads then spin on the cores llguidance's threads need).
+--switch-ms sets sys.setswitchinterval for the run. (A design with a Python thread per share of
+lanes, each calling its own one-thread executor, was measured here before and dropped.)
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import argparse
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import torch
@@ -58,43 +56,6 @@ def documents(tokenizer, rows: int, seed: int = 0) -> list[list[int]]:
     return [s.output_token_ids for s in samples]
 
 
-class ThreadedGrammars(Grammars):
-    """The replaced fill: whole lanes shared out to Python threads, one executor each."""
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self._fillers = ThreadPoolExecutor(self.threads, thread_name_prefix="bench-fill")
-        self._executors = [self._llg.LLExecutor(num_threads=1) for _ in range(self.threads)]
-
-    def fill(self, rows: list, num_rows: int) -> torch.Tensor:
-        mask = self.host_mask[:num_rows]
-        self._allow_all(mask)
-        consume, work = self._step_work(rows)
-        token = {id(m): t for m, t in consume}
-        lanes: dict[int, list] = {}  # lexer -> work pairs
-        for m, row in work:
-            lanes.setdefault(rows[row].grammar.lexer, []).append((m, row))
-        shares: list[list] = [[] for _ in range(min(self.threads, len(lanes)))]
-        for lane in sorted(lanes.values(), key=len, reverse=True):
-            min(shares, key=len).extend(lane)  # the largest lane to the lightest share
-        jobs = [
-            self._fillers.submit(self._share, k, sh, token, mask) for k, sh in enumerate(shares)
-        ]
-        for job in jobs:
-            job.result()
-        return mask
-
-    def _share(self, k: int, work: list, token: dict, mask: torch.Tensor) -> None:
-        consume = [(m, token[id(m)]) for m, _ in work if id(m) in token]
-        if consume:
-            assert all(self._executors[k].consume_token_par(consume))
-        self._llg.torch.fill_next_token_bitmask_par(self._executors[k], work, mask)
-
-    def close(self) -> None:
-        super().close()
-        self._fillers.shutdown()
-
-
 class TorchFillGrammars(Grammars):
     """The engine's fill, but the mask reset each step by torch (it was, before)."""
 
@@ -110,7 +71,6 @@ def _sample(state: GrammarState) -> SimpleNamespace:
 DESIGNS = {
     "one lexer": Grammars,
     "lanes": Grammars,
-    "lanes, py threads": ThreadedGrammars,
     "lanes, torch fill_": TorchFillGrammars,
 }
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Structured outputs on one GPU: the GPU-marked structured test, the host mask fill alone on
-# this machine's cores (one shared lexer; lanes in one executor call, on Python threads, with
-# torch's fill_; 1-16 threads; GIL switch interval 5 and 0.1 ms), then W1 8b (1024 rows) with
-# a JSON schema on every row against the same token counts unconstrained (ratio of tok/s,
-# target >= 0.9) and the host time split per loop step of both runs.
+# this machine's cores (one shared lexer; lanes; lanes with torch's fill_; 1-16 threads; GIL
+# switch interval 5 and 0.1 ms), then W1 8b (1024 rows) with a JSON schema on every row
+# against the same token counts unconstrained (ratio of tok/s, target >= 0.9) and the host
+# time split per loop step of both runs.
 #   bash benchmarks/structured_check.sh        # logs and the table go to $OUT
 # Needs llguidance (pip install llguidance) next to batchgen's requirements.
 set -u

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -98,6 +99,40 @@ def test_seeded_rows_repeat_at_any_batch_composition(engines) -> None:
     assert alone["s-seeded", 1].text == crowd["s-seeded", 1].text
     again = _run(engine, _mixed_prompts())
     assert again["s-greedy", 0].text == crowd["s-greedy", 0].text
+
+
+def test_preempted_structured_rows_equal_the_synchronous_ones(model_dir, engines) -> None:
+    """A KV cache too small for the batch: samples are preempted and recomputed while their
+    next tokens are in flight, and each matcher still consumes every output token once."""
+    config = EngineConfig(device="cpu", max_num_seqs=6, block_size=8, num_kv_blocks=40)
+    with Engine(model_dir("llama"), config) as engine:
+        squeezed = _run(engine, _mixed_prompts())
+        assert engine.scheduler.num_preemptions > 0
+    _check_mixed(squeezed)
+    synchronous = _run(engines[False], _mixed_prompts())
+    assert {k: o.text for k, o in squeezed.items()} == {k: o.text for k, o in synchronous.items()}
+
+
+def test_a_failing_step_leaves_no_fill_running(model_dir, monkeypatch) -> None:
+    """The fill thread runs beside the step's forward: when queuing the forward fails, the
+    error comes out, the fill is waited for, and the GIL switch interval is restored."""
+    switch = sys.getswitchinterval()
+    with Engine(model_dir("llama"), EngineConfig(device="cpu", max_num_seqs=4)) as engine:
+        begin, calls = engine.runner.begin, []
+
+        def failing(batch):
+            calls.append(batch)
+            if len(calls) == 5:
+                raise RuntimeError("device lost")
+            return begin(batch)
+
+        monkeypatch.setattr(engine.runner, "begin", failing)
+        prompts = [Prompt(f"Row {i}", str(i), {"json_schema": EXAMPLE_SCHEMA}) for i in range(3)]
+        with pytest.raises(RuntimeError, match="device lost"):
+            _run(engine, prompts)
+        assert sys.getswitchinterval() == switch
+        assert not engine.grammars._filler._work_queue.qsize()
+    assert sys.getswitchinterval() == switch
 
 
 def test_a_cut_output_ends_length_not_stop(engines) -> None:
@@ -215,14 +250,13 @@ def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> Non
     assert [len({r.grammar.lexer for r in rows[t]}) for t in runs] == [1, 3]
     lexer_of = {id(r.grammar.matcher): r.grammar.lexer for r in rows[3]}
     orders = []  # per fill call on 3 threads: the lexers along its consume and work lists
-    step_work = runs[3]._step_work
+    fill = runs[3]._fill
 
-    def recorded(rows: list) -> tuple[list, list]:
-        consume, work = step_work(rows)
-        orders.extend([[lexer_of[id(m)] for m, _ in pairs] for pairs in (consume, work)])
-        return consume, work
+    def recorded(executor, known: list, pending: list, work: list, *rest) -> tuple[list, list]:
+        orders.extend([[lexer_of[id(m)] for m, _ in pairs] for pairs in (known, work)])
+        return fill(executor, known, pending, work, *rest)
 
-    runs[3]._step_work = recorded
+    runs[3]._fill = recorded
     llg_torch = pytest.importorskip("llguidance.torch")
     plain = [runs[1].submit(spec).result().lanes[0].deep_copy() for _ in range(7)]
     expected = torch.full((9, runs[1].host_mask.shape[1]), ALL_ALLOWED, dtype=torch.int32)

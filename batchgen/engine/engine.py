@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fingerprint import model_fingerprint
-from batchgen.engine.grammar import Grammars, fill_threads, grammar_spec
+from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
@@ -233,7 +233,7 @@ class Engine:
                 self.eos_token_ids,
                 self.config.max_num_seqs,
                 self.device,
-                fill_threads(self.config.cpu_threads),
+                *reversed(fill_threads(self.config.cpu_threads)),
             )
         return self.grammars
 
@@ -315,11 +315,11 @@ class Engine:
         """-> the launched step (None for an empty batch), and the results of the step that was
         in flight when this one holds structured outputs.
 
-        Such a step's token bitmask needs every earlier token of its samples on the host. So
-        its forward is queued first; while the device runs it, the step in flight is
-        post-processed (its tokens reach the matchers), the bitmask is filled on the host and
-        copied without blocking, and then the sampler is queued with it. Steps without
-        structured outputs launch in one go, as before.
+        Such a step's token bitmask needs every earlier token of its samples. So its fill
+        starts on the fill thread (which waits for the in-flight step's tokens itself), the
+        forward is queued meanwhile, the step in flight is post-processed, and then the
+        sampler is queued with the mask once the fill is done. Steps without structured
+        outputs launch in one go.
         """
         if not batch.chunks:
             return None, []
@@ -328,10 +328,20 @@ class Engine:
         rows = [c.request for c in batch.chunks if c.samples]
         if all(r.grammar is None for r in rows):
             return (batch, self.runner.launch(batch)), []
-        begun = self.runner.begin(batch)
-        previous, self._in_flight = self._in_flight, None
-        done = self._postprocess(*previous) if previous is not None else []
-        mask = self.grammars.fill(rows, begun.logits.shape[0])
+        previous = self._in_flight
+        in_flight = None
+        if previous is not None:
+            in_flight = InFlight([c.request for c in previous[0].chunks if c.samples], previous[1])
+        eager = any(c.num_tokens > 1 for c in batch.chunks)  # prefill chunks: no decode graph
+        job = self.grammars.start(rows, in_flight, busy=eager)
+        try:
+            begun = self.runner.begin(batch)
+            self._in_flight = None
+            done = self._postprocess(*previous) if previous is not None else []
+            mask = self.grammars.finish(job, begun.logits.shape[0])
+        except BaseException:
+            self.grammars.abandon(job)  # no fill thread left running on a failed step
+            raise
         return (batch, self.runner.sample(begun, mask)), done
 
     def close(self) -> None:

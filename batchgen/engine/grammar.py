@@ -12,13 +12,22 @@ Parallel fill: an llguidance matcher's copies share its lexer under one lock (th
 automaton is built lazily while a mask is computed), so the masks of many copies of one
 compiled matcher are computed one at a time, whatever the thread count. A grammar used by
 more than one sample is therefore compiled into `lanes` (one per fill thread, each with its
-own lexer) and samples are spread over the lanes. Each step is two calls into llguidance from
-the engine thread, both on one executor of `threads` Rust threads with the GIL dropped: the
-matchers consume their newest tokens, then every constrained row's mask is filled. No Python
-thread takes part, so no fill waits on the GIL. The work list holds each lane's rows
-contiguously: the executor (rayon) splits the list into contiguous ranges, so a thread mostly
-meets rows of one lane, and two threads meet on a lane's lock only where a range boundary
-falls inside it.
+own lexer) and samples are spread over the lanes. Each step is two calls into llguidance
+from the fill thread, on an executor of Rust threads with the GIL dropped: the matchers
+consume their newest tokens, then every constrained row's mask is filled. The work list holds
+each lane's rows contiguously: the executor (rayon) splits the list into contiguous ranges,
+so a thread mostly meets rows of one lane, and two threads meet on a lane's lock only where a
+range boundary falls inside it.
+
+Overlap: the step's fill runs on the fill thread while the engine thread queues the same
+step's forward and post-processes the step in flight. The fill thread waits for the in-flight
+step's tokens on its device event and consumes them from the pinned copy; the engine thread
+reads the same tokens for itself. Only the fill thread touches the matchers while it runs.
+A step with prefill chunks queues an eager forward, ~10-16 ms of Python on an 8b model, so its
+fill gets a small executor and the engine thread keeps a fast core (`fill_threads`); a
+decode-only step replays a CUDA graph and then waits, so its fill gets every spare core. The
+GIL switch interval is shortened while a fill runs (and restored after), so the fill thread's
+few Python lines between its Rust calls do not wait 5 ms for the busy engine thread.
 
 JSON (json_schema, json_object) is generated compact, without free whitespace between tokens:
 a weak model otherwise spends its token budget on newlines.
@@ -32,8 +41,10 @@ when max_new_tokens cut it first (then it is incomplete, as with vLLM and OpenAI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -41,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.transfer import StepOutput
 from batchgen.errors import BatchgenError
 
 COMPILE_THREADS = 1  # one compile at a time, beside the engine thread
@@ -48,6 +60,7 @@ MAX_FILL_THREADS = 32  # beyond this a step's rows are too few to share out
 ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 COMPACT_JSON = {"whitespace_flexible": False}  # llguidance JSON options: "," and ":" alone
 ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's json_object mode
+FILL_SWITCH_S = 1e-4  # the GIL switch interval while a fill runs beside the engine thread
 
 
 class GrammarSpec(NamedTuple):
@@ -83,11 +96,31 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def fill_threads(cpu_threads: int | None) -> int:
-    """Threads of the mask fill: the engine's cpu_threads when set (a rank's share of the
-    machine), else every core this process may use (the engine thread waits meanwhile)."""
-    threads = cpu_threads or len(os.sched_getaffinity(0))
-    return max(1, min(MAX_FILL_THREADS, threads))
+def fill_threads(cpu_threads: int | None) -> tuple[int, int]:
+    """-> (busy, idle): threads of the mask fill while the engine thread queues an eager
+    forward (a step with prefill chunks: ~10-16 ms of Python on an 8b model, which needs a
+    fast core of its own), and while it only replays a decode graph and then waits. Out of
+    the engine's cpu_threads when set (a rank's share of the machine), else every core this
+    process may use: a quarter of them busy, all but two idle. On a 16-core H200 host (8b, W1,
+    a JSON schema on every row, one executor for every step) 4 threads gave 0.83-0.90x the
+    unconstrained tok/s, 6 threads 0.85x, 8 threads 0.67x, 12 threads 0.59x. A decode step's
+    fill ended 8.2 ms after its launch began with 4 threads and 7.2-7.4 ms with 14 (both
+    including the wait for the previous step's tokens), against an 8.8 ms decode step."""
+    cores = min(MAX_FILL_THREADS, cpu_threads or len(os.sched_getaffinity(0)))
+    busy = max(1, cores // 4)
+    return busy, max(busy, cores - 2)
+
+
+class InFlight(NamedTuple):
+    """The step whose tokens are still on their way: its sampled requests in row order."""
+
+    rows: list[Any]
+    out: StepOutput
+
+
+class FillJob(NamedTuple):
+    future: Future  # -> (consumed (matcher, token) pairs, llguidance's verdict on each)
+    rows: int  # rows the fill may write (the mask rows below are reset next time)
 
 
 @dataclass(eq=False)
@@ -128,14 +161,19 @@ class Grammars:
         max_rows: int,
         device: torch.device,
         threads: int = 1,
+        busy_threads: int | None = None,
     ) -> None:
         self._llg = _llguidance()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="batchgen-grammar")
         self._cache: dict[GrammarSpec, Future] = {}  # spec -> future of its Compiled
         eos = sorted(eos_token_ids)
         self._tokenizer = self._pool.submit(self._make_tokenizer, tokenizer, vocab_size, eos)
-        self.threads = threads
+        self.threads = threads  # fill threads while the engine thread waits (= lanes per grammar)
         self._executor = self._llg.LLExecutor(num_threads=threads)  # its calls drop the GIL
+        busy = busy_threads or threads  # while the engine thread queues an eager forward
+        self._busy_executor = (
+            self._executor if busy == threads else self._llg.LLExecutor(num_threads=busy)
+        )
         width = (vocab_size + 31) // 32
         cuda = device.type == "cuda"
         # host_mask[row]: the step's bitmask, bit t of word w allows token 32 * w + t
@@ -144,6 +182,9 @@ class Grammars:
             self.host_mask = self.host_mask.pin_memory()
         self.device_mask = self.host_mask.to(device) if cuda else self.host_mask
         self._copied = torch.cuda.Event() if cuda else None  # host_mask may be rewritten
+        self._dirty = 0  # host_mask rows below this may hold a mask (the rest allow all)
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="batchgen-fill")
+        self._switch: float | None = None  # the GIL switch interval to restore after a fill
 
     def _make_tokenizer(self, tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
         return self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
@@ -201,21 +242,78 @@ class Grammars:
 
     def fill(self, rows: list[Any], num_rows: int) -> torch.Tensor:
         """rows: the step's sampled requests in row order (padding rows follow, up to
-        num_rows). -> device bitmask [num_rows, words] int32 (all-allowed where unconstrained).
+        num_rows), their output tokens all known. -> device bitmask [num_rows, words] int32
+        (all-allowed where unconstrained). start() and finish() in one call."""
+        return self.finish(self.start(rows, None), num_rows)
 
-        Each constrained matcher first consumes its sample's newest output token, then its
-        row's mask is filled: one call each, on the executor's threads.
+    def start(self, rows: list[Any], in_flight: InFlight | None, busy: bool = False) -> FillJob:
+        """Begin a step's fill on the fill thread. rows: the step's sampled requests in row
+        order; in_flight: the step before it, whose tokens have not been read yet (None when
+        every output token is on the host). Each constrained matcher consumes its sample's
+        tokens it has not seen (the in-flight one read from in_flight.out by the fill thread),
+        then its row's mask is filled. Until finish(), only the fill thread uses the matchers.
+        busy: the engine thread has much Python to run meanwhile (fewer fill threads).
         """
+        pending_row = {} if in_flight is None else {id(r): j for j, r in enumerate(in_flight.rows)}
+        lanes: dict[int, tuple[list, list, list]] = {}  # lexer -> (known, pending, work)
+        for i, request in enumerate(rows):
+            state = request.grammar
+            if state is None or request.finish_reason is not None:
+                continue  # unconstrained, or ended: the row's token will be dropped
+            known, pending, work = lanes.setdefault(state.lexer, ([], [], []))
+            outputs, j = request.output_token_ids, pending_row.get(id(request))
+            new = len(outputs) - state.accepted
+            if new == 1 and j is None:
+                known.append((state.matcher, outputs[-1]))
+            elif new:  # not sampled for a while, or a token before the in-flight one
+                _check_consumed([state.matcher], [state.matcher.consume_tokens(outputs[-new:])])
+            state.accepted = len(outputs)
+            if j is not None:
+                pending.append((state.matcher, j))
+                state.accepted += 1
+            work.append((state.matcher, i))
+        parts = list(lanes.values())
+        known = [pair for lane, _, _ in parts for pair in lane]
+        pending = [pair for _, lane, _ in parts for pair in lane]
+        work = [pair for _, _, lane in parts for pair in lane]
+        reset, self._dirty = self._dirty, len(rows)
+        out = None if in_flight is None or not pending else in_flight.out
+        if self._switch is None:
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(FILL_SWITCH_S)
+        executor = self._busy_executor if busy else self._executor
+        future = self._filler.submit(self._fill, executor, known, pending, work, out, reset)
+        return FillJob(future, len(rows))
+
+    def _fill(
+        self,
+        executor: Any,
+        known: list,
+        pending: list,
+        work: list,
+        out: StepOutput | None,
+        reset: int,
+    ) -> tuple[list, list]:
+        """On the fill thread: wait for the device, consume, reset the mask rows, fill."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's mask has left host_mask
-        mask = self.host_mask[:num_rows]
-        self._allow_all(mask)
-        consume, work = self._step_work(rows)
-        if consume:
-            matchers = [m for m, _ in consume]
-            _check_consumed(matchers, self._executor.consume_token_par(consume))
+        if out is not None:
+            if out.ready_event is not None:
+                out.ready_event.synchronize()
+            tokens = out.tokens_host.tolist()
+            known = known + [(matcher, tokens[j]) for matcher, j in pending]
+        verdicts = executor.consume_token_par(known) if known else []
+        self._allow_all(self.host_mask[:reset])
         if work:
-            self._llg.torch.fill_next_token_bitmask_par(self._executor, work, mask)
+            self._llg.torch.fill_next_token_bitmask_par(executor, work, self.host_mask)
+        return known, verdicts
+
+    def finish(self, job: FillJob, num_rows: int) -> torch.Tensor:
+        """Wait for a fill (num_rows >= its rows: padding rows are all-allowed); -> the
+        device bitmask [num_rows, words], its copy queued on the current stream."""
+        consumed, verdicts = self._wait(job)
+        _check_consumed([m for m, _ in consumed], verdicts)
+        mask = self.host_mask[:num_rows]
         if self._copied is None:
             return mask
         out = self.device_mask[:num_rows]
@@ -223,34 +321,31 @@ class Grammars:
         self._copied.record()
         return out
 
+    def abandon(self, job: FillJob) -> None:
+        """Wait out a fill whose step failed (its result, an error too, is dropped)."""
+        with contextlib.suppress(Exception):
+            self._wait(job)
+
+    def _wait(self, job: FillJob) -> tuple[list, list]:
+        try:
+            return job.future.result()
+        finally:
+            if self._switch is not None:
+                sys.setswitchinterval(self._switch)
+                self._switch = None
+
     @staticmethod
     def _allow_all(mask: torch.Tensor) -> None:
         """Every bit of mask set, by numpy: torch's fill_ wakes its OpenMP threads, which then
         spin on the cores the executor's threads need (2-3x slower fills measured)."""
         mask.numpy().fill(ALL_ALLOWED)
 
-    def _step_work(self, rows: list[Any]) -> tuple[list, list]:
-        """-> ([(matcher, newest token)], [(matcher, row)]) of the constrained rows, each
-        lane's rows contiguous in both lists (lanes in order of their first row)."""
-        lanes: dict[int, tuple[list, list]] = {}  # lexer -> (consume pairs, work pairs)
-        for i, request in enumerate(rows):
-            state = request.grammar
-            if state is None or request.finish_reason is not None:
-                continue  # unconstrained, or ended: the row's token will be dropped
-            consume, work = lanes.setdefault(state.lexer, ([], []))
-            outputs = request.output_token_ids
-            new = len(outputs) - state.accepted
-            if new == 1:
-                consume.append((state.matcher, outputs[-1]))
-            elif new > 1:  # not sampled for a while (does not happen in the engine's loop)
-                _check_consumed([state.matcher], [state.matcher.consume_tokens(outputs[-new:])])
-            state.accepted = len(outputs)
-            work.append((state.matcher, i))
-        consume = [pair for lane, _ in lanes.values() for pair in lane]
-        return consume, [pair for _, lane in lanes.values() for pair in lane]
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._filler.shutdown(wait=True)
+        if self._switch is not None:  # a fill was started and never waited for
+            sys.setswitchinterval(self._switch)
+            self._switch = None
 
 
 def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
