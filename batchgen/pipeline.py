@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine import NOT_READY
+from batchgen.engine.grammar import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow
@@ -252,6 +253,8 @@ class Consumer(threading.Thread):
         error = prompt.error if out is None else out.error
         generated = [] if out is None or error else out.output_token_ids
         text = out.text if out is not None and out.text is not None else self.decode(generated)
+        if out is not None and out.check is not None and error is None:
+            error = output_problem(out.check, text)  # a complete structured output
         logprobs = None
         if out is not None and out.logprobs is not None and not error:
             logprobs = [self._logprob_entry(lp) for lp in out.logprobs]

@@ -14,13 +14,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import batchgen.engine.grammar as grammar_module
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine.grammar import (
     ALL_ALLOWED,
     EXAMPLE_SCHEMA,
+    EXAMPLE_VALUE,
     Grammars,
     GrammarSpec,
     GrammarState,
+    output_problem,
 )
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampler import apply_token_bitmask
@@ -29,10 +32,12 @@ from batchgen.job import run_job
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 jsonschema = pytest.importorskip("jsonschema")
+Draft202012Validator = jsonschema.Draft202012Validator
 REGEX = r"[a-z]{2,6}-[0-9]{2}"
 CHOICES = ("yes", "no", 'it "depends"')
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 LIMIT = 160  # tokens: the example schema's longest document fits
+NEVER = "'never' is a required property"
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +208,57 @@ def test_job_schema_column_and_bad_schemas(model_dir, tmp_path: Path) -> None:
     job_wide = f"sampling.json_schema={json.dumps(json.dumps(BAD_SCHEMA))}"
     with pytest.raises(BatchgenError, match=r"^\[sampling\] json_schema cannot be compiled"):
         run_job(spec_for(model, inp, tmp_path / "out2", job_wide))
+
+
+def test_a_complete_output_is_checked_against_its_spec() -> None:
+    """What the grammar engine cannot promise is checked on the text: a repeated key (JSON
+    parsers keep one value), the schema's semantics after parsing, the choices."""
+    schema = GrammarSpec("json_schema", json.dumps(EXAMPLE_SCHEMA))
+    assert output_problem(schema, json.dumps(EXAMPLE_VALUE, separators=(",", ":"))) is None
+    two = GrammarSpec("json_schema", json.dumps({"type": "object", "minProperties": 2}))
+    assert output_problem(two, '{"a":1,"b":2}') is None
+    assert "repeats the key 'a'" in output_problem(two, '{"a":1,"a":2}')
+    assert "repeats the key 'x'" in output_problem(schema, '{"title":"t","author":{"x":1,"x":2}}')
+    bad = json.dumps({**EXAMPLE_VALUE, "rating": 9})
+    assert output_problem(schema, bad).startswith("the output breaks its json_schema at rating:")
+    assert "not valid JSON" in output_problem(schema, '{"title":')
+    anything = GrammarSpec("json_object", json.dumps({"type": "object"}))
+    assert output_problem(anything, "[1]") == "the output is not a JSON object"
+    assert output_problem(anything, '{"k":[1,{"k":2}]}') is None
+    choice = GrammarSpec("choice", json.dumps(list(CHOICES)))
+    assert output_problem(choice, CHOICES[2]) is None
+    assert output_problem(choice, "maybe") == "the output is not one of the choices"
+
+
+def test_an_output_the_grammar_let_through_is_an_error_row(
+    model_dir, tmp_path: Path, monkeypatch, engines
+) -> None:
+    """A grammar gap (simulated: the check holds every schema output to a key the grammar
+    never writes) makes the row an error in every way out, never a silently wrong row; rows
+    cut by max_new_tokens are incomplete by definition and are not checked."""
+    impossible = Draft202012Validator({"type": "object", "required": ["never"]})
+    monkeypatch.setattr(grammar_module, "_schema_validator", lambda source: impossible)
+    prompts = [Prompt("Row s", "s", {"json_schema": EXAMPLE_SCHEMA})]
+    prompts.append(Prompt("Row cut", "cut", {"json_schema": EXAMPLE_SCHEMA, "max_new_tokens": 4}))
+    prompts.append(Prompt("Row c", "c", {"choice": CHOICES, "temperature": 1.0, "seed": 6}))
+    for decode in (True, False):
+        params = SamplingParams(max_new_tokens=LIMIT)
+        out = {o.request_id: o for o in engines[True].generate(prompts, params, decode=decode)}
+        assert out["s"].finish_reason == "error" and out["s"].text is None
+        assert out["s"].error.startswith("request s: the output breaks its json_schema at ")
+        assert out["s"].error.endswith(NEVER)
+        assert out["cut"].finish_reason == "length" and out["cut"].error is None
+        assert out["c"].finish_reason == "stop" and out["c"].error is None
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Item {i}"} for i in range(2)])
+    schema = f"sampling.json_schema={json.dumps(json.dumps(EXAMPLE_SCHEMA))}"
+    run_job(
+        spec_for(
+            model_dir("llama"), inp, tmp_path / "out", schema, f"sampling.max_new_tokens={LIMIT}"
+        )
+    )
+    for row in read_rows(tmp_path / "out"):
+        assert row["finish_reason"] == "error" and row["text"] is None
+        assert row["error"] == "the output breaks its json_schema at the top level: " + NEVER
 
 
 @pytest.mark.gpu

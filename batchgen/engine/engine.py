@@ -19,7 +19,13 @@ from transformers import PreTrainedModel
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fingerprint import model_fingerprint
-from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
+from batchgen.engine.grammar import (
+    Grammars,
+    InFlight,
+    fill_threads,
+    grammar_spec,
+    output_problem,
+)
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
@@ -147,8 +153,14 @@ class Engine:
         *,
         decode: bool = True,
         stop: Event | None = None,
+        check_outputs: bool = True,
     ) -> Iterator[RequestOutput]:
         """Yield each request's result as it finishes (not in input order).
+
+        decode: give each result its text. A structured output that ended because its grammar
+        was complete is decoded and checked against its spec either way (grammar.output_problem;
+        an error result if it does not match); check_outputs=False leaves that to a caller that
+        decodes off this thread (such results keep `check` set: the job's writer does it).
 
         Prompts are pulled from the iterable only as the engine has room, so a caller can
         stream any number of them. A source that has nothing ready yet yields NOT_READY: the
@@ -183,7 +195,7 @@ class Engine:
                     continue  # nothing to run: ask the source again (it may wait meanwhile)
                 stopping = stop is not None and stop.is_set()
                 for out in self.drain() if stopping else self.step():
-                    yield self._with_text(out) if decode else out
+                    yield self._with_text(out, decode, check_outputs)
                 if stopping:
                     return
         finally:
@@ -469,10 +481,17 @@ class Engine:
         last = not self._live[request.request_id]
         if last:
             del self._live[request.request_id]
+        outputs, state = request.output_token_ids, request.grammar
+        complete = (  # a grammar allows the end-of-sequence token only once it is complete
+            state is not None
+            and request.finish_reason == "stop"
+            and bool(outputs)
+            and outputs[-1] in self.eos_token_ids
+        )
         return RequestOutput(
             request.request_id,
             request.prompt_token_ids,
-            request.output_token_ids,
+            outputs,
             request.finish_reason,
             text=request.text,
             first_token_time=request.first_token_time,
@@ -480,6 +499,7 @@ class Engine:
             num_samples=request.num_samples,
             logprobs=request.logprobs if request.params.logprobs is not None else None,
             last=last,
+            check=state.spec if complete else None,
         )
 
     def _check_request(
@@ -539,11 +559,25 @@ class Engine:
         )
         return int.from_bytes(digest.digest(), "little") >> 1
 
-    def _with_text(self, out: RequestOutput) -> RequestOutput:
-        if self.tokenizer is None or out.finish_reason == "error" or out.text is not None:
+    def _with_text(self, out: RequestOutput, decode: bool, check: bool) -> RequestOutput:
+        """out with its text when decode is set; checked against its grammar's spec when
+        check is set and it is a complete structured output (then an error if it does not
+        match, and `check` cleared once done)."""
+        if self.tokenizer is None or out.finish_reason == "error":
             return out
-        text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-        return out._replace(text=text)
+        check = check and out.check is not None
+        if not check and (not decode or out.text is not None):
+            return out
+        text = out.text
+        if text is None:
+            text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+        if not check:
+            return out._replace(text=text)
+        problem = output_problem(out.check, text)
+        if problem is not None:
+            error = f"request {out.request_id}: {problem}"
+            return out._replace(text=None, finish_reason="error", error=error, check=None)
+        return out._replace(text=text if decode else out.text, check=None)
 
 
 def _int64s(prompt: object) -> array | None:

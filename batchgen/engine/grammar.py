@@ -42,6 +42,7 @@ when max_new_tokens cut it first (then it is incomplete, as with vLLM and OpenAI
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -85,13 +86,14 @@ def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
 
 def _llguidance() -> Any:
     try:
+        import jsonschema  # noqa: F401  (output_problem checks complete JSON outputs with it)
         import llguidance
         import llguidance.hf
         import llguidance.torch
     except ImportError as exc:
         raise BatchgenError(
             "structured outputs (json_schema, regex, choice, json_object) need the llguidance "
-            "package: pip install llguidance"
+            "and jsonschema packages: pip install 'batchgen[structured]'"
         ) from exc
     return llguidance
 
@@ -143,6 +145,7 @@ class GrammarState:
 
     matcher: Any  # llguidance.LLMatcher
     lexer: int  # id of the lane matcher it was copied from: copies of one share a lexer
+    spec: GrammarSpec | None = None  # what a complete output must match (output_problem)
     accepted: int = 0
 
 
@@ -238,7 +241,7 @@ class Grammars:
         compiled.uses += 1
         if compiled.uses == 2:
             self._widen(compiled)  # a grammar shared by samples: give it every lane
-        return GrammarState(lane.deep_copy(), id(lane))
+        return GrammarState(lane.deep_copy(), id(lane), compiled.spec)
 
     def fill(self, rows: list[Any], num_rows: int) -> torch.Tensor:
         """rows: the step's sampled requests in row order (padding rows follow, up to
@@ -352,6 +355,60 @@ def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
     for matcher, ok in zip(matchers, accepted, strict=True):
         if not ok:
             raise RuntimeError(f"grammar refused a token it allowed: {matcher.get_error()}")
+
+
+def output_problem(spec: GrammarSpec, text: str) -> str | None:
+    """-> why a complete structured output does not match its spec (one line), or None.
+
+    The grammar engine guarantees the syntax; a few schema semantics it counts on the text,
+    not on the parsed value: an object may repeat a key (JSON parsers keep one of the values,
+    so minProperties or a key's type can fail after parsing), and a format may accept values
+    the format's definition refuses. So every complete JSON output is parsed, refused if it
+    repeats a key, and validated with jsonschema; a choice must be one of the choices. A
+    regex is not checked again (Python's re is another dialect than the grammar engine's).
+    """
+    if spec.kind == "regex":
+        return None
+    if spec.kind == "choice":
+        return None if text in json.loads(spec.source) else "the output is not one of the choices"
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as exc:
+        return f"the output repeats the key {exc.args[0]!r} in an object"
+    except ValueError as exc:
+        return f"the output is not valid JSON ({' '.join(str(exc).split())[:200]})"
+    if spec.kind == "json_object":
+        return None if isinstance(value, dict) else "the output is not a JSON object"
+    error = next(iter(_schema_validator(spec.source).iter_errors(value)), None)
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "the top level"
+    return f"the output breaks its json_schema at {where}: {' '.join(error.message.split())[:200]}"
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _RepeatedKey(next(key for key in keys if keys.count(key) > 1))
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_validator(source: str) -> Any:
+    try:
+        import jsonschema
+    except ImportError as exc:
+        raise BatchgenError(
+            "structured outputs check every complete JSON output with jsonschema: "
+            "pip install jsonschema"
+        ) from exc
+    schema = json.loads(source)
+    return jsonschema.validators.validator_for(schema)(schema)
 
 
 def _choice_lark(choices: list[str]) -> str:

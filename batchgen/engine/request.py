@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.step_layout import request_constants
+
+if TYPE_CHECKING:
+    from batchgen.engine.grammar import GrammarSpec
 
 
 class Status(Enum):
@@ -130,3 +133,6 @@ class RequestOutput(NamedTuple):
     num_samples: int = 1
     logprobs: list[TokenLogprobs] | None = None  # when params.logprobs is set
     last: bool = True  # no other sample of this request is still running
+    # a structured output that ended because its grammar was complete: the spec its text must
+    # match (grammar.output_problem, checked where the text is decoded); None otherwise
+    check: GrammarSpec | None = None
