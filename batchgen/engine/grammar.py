@@ -361,20 +361,19 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
     """-> why a complete structured output does not match its spec (one line), or None.
 
     The grammar engine guarantees the syntax; a few schema semantics it counts on the text,
-    not on the parsed value: an object may repeat a key (JSON parsers keep one of the values,
-    so minProperties or a key's type can fail after parsing), and a format may accept values
-    the format's definition refuses. So every complete JSON output is parsed, refused if it
-    repeats a key, and validated with jsonschema; a choice must be one of the choices. A
-    regex is not checked again (Python's re is another dialect than the grammar engine's).
+    not on the parsed value. An object may repeat a free key: parsers keep the last value (as
+    Python, JavaScript and Go do), so an object with a repeated key holds fewer properties
+    than the grammar counted (minProperties), and a format may accept values its definition
+    refuses. So every complete JSON output is parsed and its value validated with jsonschema,
+    and a choice must be one of the choices. A regex is not checked again (Python's re is
+    another dialect than the grammar engine's).
     """
     if spec.kind == "regex":
         return None
     if spec.kind == "choice":
         return None if text in json.loads(spec.source) else "the output is not one of the choices"
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as exc:
-        return f"the output repeats the key {exc.args[0]!r} in an object"
+        value = json.loads(text)
     except ValueError as exc:
         return f"the output is not valid JSON ({' '.join(str(exc).split())[:200]})"
     if spec.kind == "json_object":
@@ -384,18 +383,6 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "the top level"
     return f"the output breaks its json_schema at {where}: {' '.join(error.message.split())[:200]}"
-
-
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    value = dict(pairs)
-    if len(value) < len(pairs):
-        keys = [key for key, _ in pairs]
-        raise _RepeatedKey(next(key for key in keys if keys.count(key) > 1))
-    return value
 
 
 @functools.lru_cache(maxsize=256)
