@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine import NOT_READY
-from batchgen.engine.grammar import output_problem
+from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import batchgen.engine.grammar as grammar_module
+import batchgen.engine.output_check as output_check
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine.grammar import (
     ALL_ALLOWED,
@@ -23,8 +23,8 @@ from batchgen.engine.grammar import (
     Grammars,
     GrammarSpec,
     GrammarState,
-    output_problem,
 )
+from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampler import apply_token_bitmask
 from batchgen.formats.openai_batch.requests import parse_request
@@ -242,7 +242,7 @@ def test_an_output_the_grammar_let_through_is_an_error_row(
     never writes) makes the row an error in every way out, never a silently wrong row; rows
     cut by max_new_tokens are incomplete by definition and are not checked."""
     impossible = Draft202012Validator({"type": "object", "required": ["never"]})
-    monkeypatch.setattr(grammar_module, "_schema_validator", lambda source: impossible)
+    monkeypatch.setattr(output_check, "_schema_validator", lambda source: impossible)
     prompts = [Prompt("Row s", "s", {"json_schema": EXAMPLE_SCHEMA})]
     prompts.append(Prompt("Row cut", "cut", {"json_schema": EXAMPLE_SCHEMA, "max_new_tokens": 4}))
     prompts.append(Prompt("Row c", "c", {"choice": CHOICES, "temperature": 1.0, "seed": 6}))

@@ -24,7 +24,6 @@ from batchgen.engine.grammar import (
     InFlight,
     fill_threads,
     grammar_spec,
-    output_problem,
 )
 from batchgen.engine.model_loader import (
     adopt_model,
@@ -37,6 +36,7 @@ from batchgen.engine.model_loader import (
     resolve_dtype,
     set_cpu_threads,
 )
+from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.probe import check_model
 from batchgen.engine.quant.convert import check_adopted
@@ -158,8 +158,8 @@ class Engine:
         """Yield each request's result as it finishes (not in input order).
 
         decode: give each result its text. A structured output that ended because its grammar
-        was complete is decoded and checked against its spec either way (grammar.output_problem;
-        an error result if it does not match); check_outputs=False leaves that to a caller that
+        was complete is decoded and checked against its spec either way (output_problem; an
+        error result if it does not match); check_outputs=False leaves that to a caller that
         decodes off this thread (such results keep `check` set: the job's writer does it).
 
         Prompts are pulled from the iterable only as the engine has room, so a caller can

@@ -134,5 +134,5 @@ class RequestOutput(NamedTuple):
     logprobs: list[TokenLogprobs] | None = None  # when params.logprobs is set
     last: bool = True  # no other sample of this request is still running
     # a structured output that ended because its grammar was complete: the spec its text must
-    # match (grammar.output_problem, checked where the text is decoded); None otherwise
+    # match (output_check.output_problem, checked where the text is decoded); None otherwise
     check: GrammarSpec | None = None
