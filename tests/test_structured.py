@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import batchgen.engine.grammar as grammar_module
 import batchgen.engine.output_check as output_check
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine.grammar import (
@@ -341,6 +342,23 @@ def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> Non
     assert len(orders) == 2 * 30 and all(len(o) == 7 for o in orders[1::2])
     assert all(_runs(o) == len(set(o)) for o in orders) and len(set(orders[1])) == 3
     for grammars in runs.values():
+        grammars.close()
+
+
+def test_overlapping_fills_of_two_engines_restore_the_switch_interval(model_dir) -> None:
+    """The GIL switch interval is shortened while any fill runs and restored by the last one
+    to finish, whichever engine started first."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    spec = GrammarSpec("regex", REGEX)
+    first, second = _grammars(tokenizer, 1), _grammars(tokenizer, 1)
+    rows = {g: [_row(g.matcher(g.submit(spec).result()))] for g in (first, second)}
+    before = sys.getswitchinterval()
+    jobs = {g: g.start(rows[g], None) for g in (first, second)}
+    first.finish(jobs[first], 1)
+    assert sys.getswitchinterval() == pytest.approx(grammar_module.FILL_SWITCH_S) != before
+    second.finish(jobs[second], 1)
+    assert sys.getswitchinterval() == before
+    for grammars in (first, second):
         grammars.close()
 
 

@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -186,7 +187,7 @@ class Grammars:
         self._copied = torch.cuda.Event() if cuda else None  # host_mask may be rewritten
         self._dirty = 0  # host_mask rows below this may hold a mask (the rest allow all)
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="batchgen-fill")
-        self._switch: float | None = None  # the GIL switch interval to restore after a fill
+        self._shortened = False  # this object holds a share of the short switch interval
 
     def _make_tokenizer(self, tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
         return self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
@@ -280,9 +281,9 @@ class Grammars:
         work = [pair for _, _, lane in parts for pair in lane]
         reset, self._dirty = self._dirty, len(rows)
         out = None if in_flight is None or not pending else in_flight.out
-        if self._switch is None:
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(FILL_SWITCH_S)
+        if not self._shortened:
+            _SWITCH.shorten()
+            self._shortened = True
         executor = self._busy_executor if busy else self._executor
         future = self._filler.submit(self._fill, executor, known, pending, work, out, reset)
         return FillJob(future, len(rows))
@@ -332,9 +333,7 @@ class Grammars:
         try:
             return job.future.result()
         finally:
-            if self._switch is not None:
-                sys.setswitchinterval(self._switch)
-                self._switch = None
+            self._unshorten()
 
     @staticmethod
     def _allow_all(mask: torch.Tensor) -> None:
@@ -345,9 +344,38 @@ class Grammars:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._filler.shutdown(wait=True)
-        if self._switch is not None:  # a fill was started and never waited for
-            sys.setswitchinterval(self._switch)
-            self._switch = None
+        self._unshorten()  # a fill that was started and never waited for
+
+    def _unshorten(self) -> None:
+        if self._shortened:
+            self._shortened = False
+            _SWITCH.restore()
+
+
+class _SwitchInterval:
+    """The process's GIL switch interval, shortened while any fill runs (fills of several
+    engines may overlap): the first share saves the interval, the last one restores it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shares = 0
+        self._saved = 0.0
+
+    def shorten(self) -> None:
+        with self._lock:
+            if not self._shares:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(FILL_SWITCH_S)
+            self._shares += 1
+
+    def restore(self) -> None:
+        with self._lock:
+            self._shares -= 1
+            if not self._shares:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
 
 
 def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
