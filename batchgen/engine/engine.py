@@ -19,12 +19,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fingerprint import model_fingerprint
-from batchgen.engine.grammar import (
-    Grammars,
-    InFlight,
-    fill_threads,
-    grammar_spec,
-)
+from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
@@ -239,13 +234,15 @@ class Engine:
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
+            busy, idle = fill_threads(self.config.cpu_threads)
             self.grammars = Grammars(
                 self.tokenizer,
                 self.shape.vocab_size,
                 self.eos_token_ids,
                 self.config.max_num_seqs,
                 self.device,
-                *reversed(fill_threads(self.config.cpu_threads)),
+                threads=idle,
+                busy_threads=busy,
             )
         return self.grammars
 
