@@ -120,11 +120,6 @@ class InFlight(NamedTuple):
     out: StepOutput
 
 
-class FillJob(NamedTuple):
-    future: Future  # -> (consumed (matcher, token) pairs, llguidance's verdict on each)
-    rows: int  # rows the fill may write (the mask rows below are reset next time)
-
-
 @dataclass(eq=False)
 class Compiled:
     """A grammar's lanes: matchers of it in their start state, each with its own lexer.
@@ -249,13 +244,14 @@ class Grammars:
         (all-allowed where unconstrained). start() and finish() in one call."""
         return self.finish(self.start(rows, None), num_rows)
 
-    def start(self, rows: list[Any], in_flight: InFlight | None, busy: bool = False) -> FillJob:
-        """Begin a step's fill on the fill thread. rows: the step's sampled requests in row
-        order; in_flight: the step before it, whose tokens have not been read yet (None when
-        every output token is on the host). Each constrained matcher consumes its sample's
-        tokens it has not seen (the in-flight one read from in_flight.out by the fill thread),
-        then its row's mask is filled. Until finish(), only the fill thread uses the matchers.
-        busy: the engine thread has much Python to run meanwhile (fewer fill threads).
+    def start(self, rows: list[Any], in_flight: InFlight | None, busy: bool = False) -> Future:
+        """Begin a step's fill on the fill thread; -> its future, for finish(). rows: the
+        step's sampled requests in row order; in_flight: the step before it, whose tokens have
+        not been read yet (None when every output token is on the host). Each constrained
+        matcher consumes its sample's tokens it has not seen (the in-flight one read from
+        in_flight.out by the fill thread), then its row's mask is filled. Until finish(), only
+        the fill thread uses the matchers. busy: the engine thread has much Python to run
+        meanwhile (fewer fill threads).
         """
         pending_row = {} if in_flight is None else {id(r): j for j, r in enumerate(in_flight.rows)}
         lanes: dict[int, tuple[list, list, list]] = {}  # lexer -> (known, pending, work)
@@ -285,8 +281,7 @@ class Grammars:
             _SWITCH.shorten()
             self._shortened = True
         executor = self._busy_executor if busy else self._executor
-        future = self._filler.submit(self._fill, executor, known, pending, work, out, reset)
-        return FillJob(future, len(rows))
+        return self._filler.submit(self._fill, executor, known, pending, work, out, reset)
 
     def _fill(
         self,
@@ -311,7 +306,7 @@ class Grammars:
             self._llg.torch.fill_next_token_bitmask_par(executor, work, self.host_mask)
         return known, verdicts
 
-    def finish(self, job: FillJob, num_rows: int) -> torch.Tensor:
+    def finish(self, job: Future, num_rows: int) -> torch.Tensor:
         """Wait for a fill (num_rows >= its rows: padding rows are all-allowed); -> the
         device bitmask [num_rows, words], its copy queued on the current stream."""
         consumed, verdicts = self._wait(job)
@@ -324,14 +319,14 @@ class Grammars:
         self._copied.record()
         return out
 
-    def abandon(self, job: FillJob) -> None:
+    def abandon(self, job: Future) -> None:
         """Wait out a fill whose step failed (its result, an error too, is dropped)."""
         with contextlib.suppress(Exception):
             self._wait(job)
 
-    def _wait(self, job: FillJob) -> tuple[list, list]:
+    def _wait(self, job: Future) -> tuple[list, list]:
         try:
-            return job.future.result()
+            return job.result()
         finally:
             self._unshorten()
 

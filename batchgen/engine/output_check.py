@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 from batchgen.engine.grammar import GrammarSpec
-from batchgen.errors import BatchgenError
 
 
 def output_problem(spec: GrammarSpec, text: str) -> str | None:
@@ -45,12 +44,7 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _schema_validator(source: str) -> Any:
-    try:
-        import jsonschema
-    except ImportError as exc:
-        raise BatchgenError(
-            "structured outputs check every complete JSON output with jsonschema: "
-            "pip install jsonschema"
-        ) from exc
+    import jsonschema  # present: grammar._llguidance refuses structured outputs without it
+
     schema = json.loads(source)
     return jsonschema.validators.validator_for(schema)(schema)
