@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from batchgen import SamplingParams
@@ -47,9 +49,10 @@ def test_every_declared_field_round_trips_through_the_buffer() -> None:
 
 
 def test_plain_decodes_packed_in_bulk_equal_the_per_chunk_path(monkeypatch) -> None:
-    """A decode step with plain decodes, a decode inside min_new_tokens (bans), one that opens
-    a new block and a prefill: the bulk path for the leading plain decodes packs exactly what
-    the per-chunk path packs."""
+    """A decode step with plain decodes, decodes inside min_new_tokens (bans) between them,
+    one that opens a new block and a prefill: the bulk path for each run of plain decodes
+    (the first and the ones after a decode that is not plain) packs exactly what the
+    per-chunk path packs."""
     from batchgen.engine import step_inputs
 
     params = [
@@ -78,9 +81,11 @@ def test_plain_decodes_packed_in_bulk_equal_the_per_chunk_path(monkeypatch) -> N
         previous = batch
     scheduler.add(Request("late", list(range(20)), SamplingParams(), 0, 200, frozenset({1})))
     batch = scheduler.schedule()
-    assert 0 < step_inputs._plain_decodes(batch.chunks) < len(batch.chunks)
+    runs = [i for i in range(len(batch.chunks)) if step_inputs._plain_run(batch.chunks, i) > i]
+    assert runs[0] == 0 and runs[-1] < len(batch.chunks) - 1
+    assert any(b > a + 1 for a, b in pairwise(runs)), "a run after a break"
     bulk_host, bulk = prepare_step(batch, 16, 16)
-    monkeypatch.setattr(step_inputs, "_plain_decodes", lambda chunks: 0)
+    monkeypatch.setattr(step_inputs, "_plain_run", lambda chunks, first: first)
     each_host, each = prepare_step(batch, 16, 16)
     assert torch.equal(bulk, each)
     assert bulk_host == each_host

@@ -83,11 +83,17 @@ def prepare_step(
     pad_to > len(batch.chunks) pads a decode-only batch with one-token rows in pad_slot.
     """
     L = _Lists()
-    plain = _plain_decodes(batch.chunks)
-    _add_plain_decodes(L, batch.chunks[:plain])
-    for i in range(plain, len(batch.chunks)):
-        _add_chunk(L, i, batch.chunks[i])
-    real = len(batch.chunks)
+    chunks = batch.chunks
+    real = len(chunks)
+    i = 0
+    while i < real:
+        plain = _plain_run(chunks, i)
+        if plain > i:  # rows [i, plain) in bulk
+            _add_plain_decodes(L, i, chunks[i:plain])
+            i = plain
+        else:
+            _add_chunk(L, i, chunks[i])
+            i += 1
     for i in range(real, pad_to):
         _add_padding(L, i, pad_slot)
     S = len(L.samples)
@@ -119,11 +125,12 @@ def _flags(int_cols: list[tuple[int, ...]], float_cols: list[tuple[float, ...]])
     )
 
 
-def _plain_decodes(chunks: list[ScheduledChunk]) -> int:
-    """How many leading chunks are plain decodes: one relayed token, sampled, no new block
-    entries, no penalty state to send, no tokens banned (what _add_chunk would do in bulk)."""
-    k = 0
-    for c in chunks:
+def _plain_run(chunks: list[ScheduledChunk], first: int) -> int:
+    """End of the run of plain decodes from chunks[first]: one relayed token, sampled, no new
+    block entries, no penalty state to send, no tokens banned (what _add_chunk would do in
+    bulk). first itself when chunks[first] is not one."""
+    k = first
+    for c in chunks[first:]:
         r = c.request
         if (
             c.num_tokens != 1
@@ -137,9 +144,10 @@ def _plain_decodes(chunks: list[ScheduledChunk]) -> int:
     return k
 
 
-def _add_plain_decodes(L: _Lists, chunks: list[ScheduledChunk]) -> None:
-    """_add_chunk for plain decodes (the first rows of the step), list by list."""
+def _add_plain_decodes(L: _Lists, first: int, chunks: list[ScheduledChunk]) -> None:
+    """_add_chunk for the plain decodes chunks, rows first.. of the step, list by list."""
     k = len(chunks)
+    token = L.cu_seqlens[-1]  # one token per row: row first + j is token token + j
     requests = [c.request for c in chunks]
     slots = [r.slot for r in requests]
     starts = [c.start for c in chunks]
@@ -148,11 +156,11 @@ def _add_plain_decodes(L: _Lists, chunks: list[ScheduledChunk]) -> None:
     L.ids.extend([0] * k)
     L.relay_src.extend(slots)
     L.positions.extend(starts)
-    L.seq_idx.extend(range(k))
-    L.cu_seqlens.extend(range(1, k + 1))
+    L.seq_idx.extend(range(first, first + k))
+    L.cu_seqlens.extend(range(token + 1, token + k + 1))
     L.context_lens.extend(ends)
     L.seq_slots.extend(slots)
-    L.sample_idx.extend(range(k))  # row k's one token is token k of the step
+    L.sample_idx.extend(range(token, token + k))
     L.samples.extend(zip(slots, [r.rng_key for r in requests], ends, strict=True))
     L.sample_ints.extend(c[0] for c in constants)
     L.sample_floats.extend(c[1] for c in constants)
