@@ -95,6 +95,56 @@ def test_merged_projections_compose_with_fp8() -> None:
     assert torch.equal(torch.cat([getattr(parent, n)(x) for n in names], dim=-1), separate)
 
 
+def test_fp8_linear_takes_the_rows_attached_to_its_input() -> None:
+    """A kernel that wrote x may attach x's FP8 rows: the linear multiplies those (not a new
+    quantization of x); rows of another shape are ignored, and so are they while the model
+    check runs 16-bit activations."""
+    from batchgen.engine.quant.fp8 import (
+        attach_fp8_rows,
+        emulated_fp8_linear,
+        quantize_rows_reference,
+        unquantized_activations,
+    )
+
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=False))
+    x, other = torch.randn(1, 4, 64), torch.randn(4, 64)
+    own = layer(x)
+    attach_fp8_rows(x, *quantize_rows_reference(other))
+    assert torch.equal(layer(x)[0], emulated_fp8_linear(other, layer.weight, layer.weight_scale))
+    assert not torch.equal(layer(x), own)
+    with unquantized_activations():
+        assert not torch.equal(layer(x)[0], layer(other)[0])
+    y = torch.randn(1, 4, 64)
+    attach_fp8_rows(y, *quantize_rows_reference(torch.randn(3, 64)))
+    assert torch.equal(layer(y)[0], emulated_fp8_linear(y[0], layer.weight, layer.weight_scale))
+
+
+def test_norms_feeding_fp8_projections_write_their_rows(model_dir) -> None:
+    """In an FP8 model the fused norms before the merged q/k/v and gate/up projections write
+    FP8 rows; the final norm (before the 16-bit lm_head) does not, and a 16-bit model's norms
+    never do."""
+    pytest.importorskip("triton")
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.fusion import Fusion
+
+    path = model_dir("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    for fp8 in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        if fp8:
+            quantize_model(model)
+        fusion = Fusion(model)
+        fusion.on()
+        layers = model.model.layers
+        feeding = {id(n) for n in fusion._norms_feeding_fp8()}
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
+        expected = {id(x) for pair in norms for x in pair}
+        assert feeding == (expected if fp8 else set())
+        assert id(model.model.norm) not in feeding
+        fusion.off()
+
+
 def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
@@ -321,3 +371,28 @@ def test_engine_fp8_on_gpu_with_graphs(model_dir, kv: str) -> None:
                          cuda_graphs=False)  # fmt: skip
     with Engine(path, eager) as engine:
         assert _greedy(engine, prompts) == graphed
+
+
+@pytest.mark.gpu
+def test_fp8_rows_from_the_norms_change_no_token(model_dir, monkeypatch) -> None:
+    """The merged projections take the FP8 rows the norms wrote (no quantization kernel of
+    their own), and the tokens are those of quantizing separately."""
+    import batchgen.engine.fusion as fusion
+    import batchgen.engine.quant.fp8 as fp8
+
+    path = model_dir("llama", hidden_size=128, intermediate_size=256, initializer_range=0.02)
+    config = EngineConfig(quantization="fp8", num_kv_blocks=64, cuda_graphs=False)
+    prompts = [[5, 9, 30, 7], [11, 12, 13, 14, 15, 16, 17], list(range(20, 60))]
+    attached, own = [], fp8._rows_of
+
+    def spy(x: torch.Tensor, x2: torch.Tensor):
+        attached.append(getattr(x, fp8._FP8_ROWS, None) is not None)
+        return own(x, x2)
+
+    monkeypatch.setattr(fp8, "_rows_of", spy)
+    with Engine(path, config) as engine:
+        with_rows = _greedy(engine, prompts)
+    assert True in attached  # q/k/v and gate/up took the norms' rows
+    monkeypatch.setattr(fusion, "FEEDS", ())
+    with Engine(path, config) as engine:
+        assert _greedy(engine, prompts) == with_rows

@@ -97,3 +97,41 @@ def test_decode_reads_fp8_cache(device: str, num_splits: int) -> None:
                        num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
     ref = tk.reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens)  # float32 from fp8
     assert tk.rel_err(out, ref) < tk.BF16_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_writes_the_fp8_rows_of_its_output(device: str) -> None:
+    """The norm that feeds an FP8 projection writes the rows quantize_rows would make of its
+    output, in the same pass; its 16-bit output is unchanged by that."""
+    from batchgen.engine.kernels.fused_ops import launch_rms_norm
+
+    dev = tk._device(device)
+    x = _rows().to(dev)
+    weight = torch.randn(x.shape[1], dtype=torch.bfloat16, device=dev)
+    out, plain = torch.empty_like(x), torch.empty_like(x)
+    scaled = torch.empty(x.shape, dtype=torch.float32, device=dev)
+    s = torch.empty(x.shape[0], dtype=torch.float32, device=dev)
+    launch_rms_norm(x, weight, 1e-5, out, scaled, s)
+    launch_rms_norm(x, weight, 1e-5, plain)
+    assert torch.equal(out, plain)
+    q_ref, s_ref = quantize_rows_reference(out.cpu())
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert scaled.abs().max() <= FP8_MAX and (scaled[2] == 0).all()
+    cast = scaled.cpu().to(FP8_DTYPE).float()
+    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+
+
+@pytest.mark.gpu
+def test_rms_norm_fp8_rows_equal_the_quantize_kernel() -> None:
+    """On the GPU, bit for bit what the quantization kernel makes of the norm's output."""
+    from batchgen.engine.kernels.fused_ops import rms_norm
+    from batchgen.engine.quant.fp8 import _FP8_ROWS
+
+    x = _rows().cuda()[None]
+    weight = torch.randn(x.shape[-1], dtype=torch.bfloat16, device="cuda")
+    out = rms_norm(x, weight, 1e-5, quantize=True)
+    q, s = getattr(out, _FP8_ROWS)
+    q_ref, s_ref = quantize_rows_triton(out[0])
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(out, rms_norm(x, weight, 1e-5))

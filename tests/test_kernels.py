@@ -341,7 +341,9 @@ def test_prefill_attention_features(device: str, feature: str) -> None:
 # ----------------------------------------------------------------------------------------- backend
 
 
-SMALL_TILES = TritonTuning(decode_block_n=16, decode_min_partition=16, prefill_block_n=16)
+SMALL_TILES = TritonTuning(
+    decode_block_n=16, decode_8bit_block_n=16, decode_min_partition=16, prefill_block_n=16
+)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -398,7 +400,7 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
         apply_rotary_pos_emb,
     )
 
-    from batchgen.engine.kernels.fused_ops import rms_norm, rope, silu_mul
+    from batchgen.engine.kernels.fused_ops import rms_norm, rope, rope_qk, silu_mul
 
     torch.manual_seed(0)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
@@ -418,6 +420,8 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
     assert _rel(rope(q, cos, sin), q_ref) <= tol and _rel(rope(k, cos, sin), k_ref) <= tol
+    q_out, k_out = rope_qk(q, k, cos, sin)  # one launch for both
+    assert torch.equal(q_out, rope(q, cos, sin)) and torch.equal(k_out, rope(k, cos, sin))
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
 """Faster forwards for the modules of known Hugging Face decoder layers, set per module
 instance (the model object only; nothing inside transformers is replaced).
 
-- RMSNorm: one fused kernel.
+- RMSNorm: one fused kernel; where its output goes straight into a merged FP8 projection,
+  the same pass writes the FP8 rows that projection would quantize the output to.
 - Gated-SiLU MLP: gate and up projections as one GEMM, SiLU-and-mul fused.
 - Attention (Llama, Mistral, Qwen2, Qwen3): q, k and v projections as one GEMM, rotary
   embedding fused, then batchgen's attention. Whether the fused rotary computes what the
@@ -33,6 +34,8 @@ from batchgen.engine.quant.fp8 import Fp8Linear, fp8_linear
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (5.2x) SiLU modules
+# (norm, the module its output goes to unchanged) in the decoder layers of the fused families
+FEEDS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 # attention class -> the sliding window its forward passes to the attention function
 FUSED_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
     "LlamaAttention": lambda m: None,
@@ -54,6 +57,7 @@ class Fusion:
         self.modules: list[nn.Module] = []
         # merged projections by the module that uses them (kept when off() and on() again)
         self._merged: dict[nn.Module, Merged | None] = {}
+        self._fp8_merged: list[Merged] = []  # those with FP8 weights
 
     def on(self) -> None:
         from batchgen.engine.kernels import fused_ops
@@ -63,6 +67,23 @@ class Fusion:
             if forward is not None:
                 module.forward = forward
                 self.modules.append(module)
+        for norm in self._norms_feeding_fp8():  # they also write their FP8 rows
+            norm.forward = _norm_forward(norm, fused_ops.rms_norm, quantize=True)
+
+    def _norms_feeding_fp8(self) -> list[nn.Module]:
+        """Fused norms of decoder layers whose output goes straight into a merged FP8
+        projection (the layer's attention or MLP as fused here)."""
+        feeding = []
+        for layer in self.model.modules():
+            for norm_name, user_name in FEEDS:
+                norm, user = getattr(layer, norm_name, None), getattr(layer, user_name, None)
+                if (
+                    norm in self.modules
+                    and user in self.modules
+                    and self._merged.get(user) in self._fp8_merged
+                ):
+                    feeding.append(norm)
+        return feeding
 
     def off(self) -> None:
         for module in self.modules:
@@ -87,7 +108,9 @@ class Fusion:
 
     def _merge(self, module: nn.Module, names: tuple[str, ...]) -> Merged | None:
         if module not in self._merged:
-            self._merged[module] = _merged(module, names)
+            self._merged[module] = merged = _merged(module, names)
+            if merged is not None and all(type(getattr(module, n)) is Fp8Linear for n in names):
+                self._fp8_merged.append(merged)
         return self._merged[module]
 
 
@@ -145,9 +168,11 @@ def _set_view(module: nn.Module, name: str, view: torch.Tensor) -> None:
         setattr(module, name, view)
 
 
-def _norm_forward(module: nn.Module, kernel: Any) -> Callable[..., torch.Tensor]:
+def _norm_forward(
+    module: nn.Module, kernel: Any, quantize: bool = False
+) -> Callable[..., torch.Tensor]:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return kernel(hidden_states, module.weight, module.variance_epsilon)
+        return kernel(hidden_states, module.weight, module.variance_epsilon, quantize)
 
     return forward
 
@@ -210,11 +235,16 @@ class RopeCheck:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from batchgen.engine.kernels.fused_ops import rope
+        from batchgen.engine.kernels.fused_ops import rope_qk
 
-        if self.verified is False or cos.shape[-1] != q.shape[-1] or q.shape[0] != 1:
+        if (
+            self.verified is False
+            or cos.shape[-1] != q.shape[-1]
+            or q.shape[0] != 1
+            or q.dtype != k.dtype
+        ):
             return self.original(q, k, cos, sin)
-        fused = rope(q, cos, sin), rope(k, cos, sin)
+        fused = rope_qk(q, k, cos, sin)
         if self.verified is None:
             expected = self.original(q, k, cos, sin)
             self.verified = _close(fused, expected)

@@ -28,6 +28,10 @@ class TritonTuning:
     decode_max_splits: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
+    # an 8-bit (FP8) cache: measured on an H200 at batch 256, contexts 300-500 / 900-1100,
+    # 32 / 64 keys with 2 / 4 warps took 117.5 / 130.1 us and 260.6 / 301.0 us per layer
+    decode_8bit_block_n: int = 32
+    decode_8bit_num_warps: int = 2
     prefill_block_m: int = 64  # queries per program
     prefill_small_block_m: int = 16  # for steps whose prefill chunks are all this short
     prefill_block_n: int = 64
@@ -37,6 +41,7 @@ class TritonTuning:
     def __post_init__(self) -> None:
         for name in (
             "decode_block_n",
+            "decode_8bit_block_n",
             "prefill_block_m",
             "prefill_small_block_m",
             "prefill_block_n",
@@ -44,11 +49,18 @@ class TritonTuning:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value}: must be a power of two >= 16")
-        if self.decode_min_partition % self.decode_block_n:
-            raise ValueError(
-                f"decode_min_partition={self.decode_min_partition}: must be a multiple of "
-                f"decode_block_n={self.decode_block_n}"
-            )
+        for name in ("decode_block_n", "decode_8bit_block_n"):
+            if self.decode_min_partition % getattr(self, name):
+                raise ValueError(
+                    f"decode_min_partition={self.decode_min_partition}: must be a multiple of "
+                    f"{name}={getattr(self, name)}"
+                )
+
+    def decode_tiles(self, cache_dtype: torch.dtype) -> tuple[int, int]:
+        """(keys per tile, warps) of the decode kernel for a cache of this dtype."""
+        if cache_dtype.itemsize == 1:
+            return self.decode_8bit_block_n, self.decode_8bit_num_warps
+        return self.decode_block_n, self.decode_num_warps
 
 
 @dataclass(frozen=True)
@@ -106,11 +118,12 @@ class TritonBackend:
         kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.num_decodes:
+            block_n, warps = tune.decode_tiles(k_cache.dtype)
             kern.paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                 window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits, **extra,
-                min_partition=tune.decode_min_partition, out=out, block_n=tune.decode_block_n,
-                num_warps=tune.decode_num_warps, num_stages=tune.decode_num_stages,
+                min_partition=tune.decode_min_partition, out=out, block_n=block_n,
+                num_warps=warps, num_stages=tune.decode_num_stages,
             )  # fmt: skip
         if plan.num_prefills:
             kern.paged_prefill(

@@ -12,7 +12,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    q_ptr,  # fp8 [rows, n_cols] (read when QUANT)
+    scale_ptr,  # float32 [rows] (read when QUANT)
+    stride_x,
+    stride_o,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -20,24 +34,73 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLO
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty)  # HF rounds to the input dtype here
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if QUANT:  # what quantize_rows computes from the stored row, without reading it back
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=0) / FP8_MAX, MIN_SCALE)
+        q = tl.minimum(tl.maximum(yf / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) over the last dim; x: [..., D] -> same shape and dtype."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim; x: [..., D] -> same shape and dtype.
+
+    quantize: also the FP8 E4M3 rows an FP8 linear would quantize the result to (per-token
+    scales, as quantize_rows), attached to the result (quant.fp8.attach_fp8_rows), in the
+    same pass.
+    """
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    q, scale = _fp8_buffers(rows, quantize)
+    launch_rms_norm(rows, weight, eps, out, q if quantize else None, scale)
+    result = out.view(shape)
+    if quantize:
+        from batchgen.engine.quant.fp8 import attach_fp8_rows
+
+        attach_fp8_rows(result, q, scale)
+    return result
+
+
+def launch_rms_norm(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """out [M, D] = rms_norm of rows [M, D] (unit column stride); with q (fp8 [M, D], or
+    float32 to keep the scaled, clamped values before the cast) and scale [M] also the
+    result's FP8 rows."""
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), out.stride(0), shape[-1], eps,
-            BLOCK=triton.next_power_of_2(shape[-1]),
+            rows, weight, out, rows if q is None else q, rows if scale is None else scale,
+            rows.stride(0), out.stride(0), rows.shape[1], eps,
+            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, **_fp8_consts(),
         )  # fmt: skip
-    return out.view(shape)
+
+
+def _fp8_buffers(rows: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from batchgen.engine.quant.fp8 import FP8_DTYPE
+
+    if not quantize:  # placeholders, never read
+        return rows, rows
+    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=rows.device)
+    return q, torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+
+
+def _fp8_consts() -> dict[str, float]:
+    from batchgen.engine.quant.fp8 import FP8_MAX, MIN_SCALE
+
+    return {"FP8_MAX": FP8_MAX, "MIN_SCALE": MIN_SCALE}
 
 
 @triton.jit
@@ -92,42 +155,65 @@ def silu_mul_merged(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(
-    x_ptr,
+    q_ptr,
+    k_ptr,
     cos_ptr,
     sin_ptr,
-    out_ptr,
-    stride_xt,
-    stride_xh,
+    qo_ptr,
+    ko_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
     stride_ct,
-    stride_ot,
-    stride_oh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    num_q_heads,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Program (t, h): token t of q head h, or of k head h - num_q_heads."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if h < num_q_heads:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = qo_ptr + t * stride_qot + h * stride_qoh
+    else:
+        src = k_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
+        dst = ko_ptr + t * stride_kot + (h - num_q_heads) * stride_koh
     i = tl.arange(0, BLOCK)
     mask = i < HALF
-    x1 = tl.load(x_ptr + t * stride_xt + h * stride_xh + i, mask=mask).to(tl.float32)
-    x2 = tl.load(x_ptr + t * stride_xt + h * stride_xh + HALF + i, mask=mask).to(tl.float32)
+    x1 = tl.load(src + i, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=mask).to(tl.float32)
     c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)
-    dst = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(dst + i, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF + i, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + i, (x1 * c1 - x2 * s1).to(qo_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + i, (x2 * c2 + x1 * s2).to(qo_ptr.dtype.element_ty), mask=mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding. x: [1, H, T, D] (any strides), cos/sin: [1, T, D]
     -> [1, H, T, D] (a transposed view of a contiguous [1, T, H, D])."""
-    _, heads, tokens, dim = x.shape
-    out = torch.empty((1, tokens, heads, dim), dtype=x.dtype, device=x.device)
+    return rope_qk(x, x[:, :0], cos, sin)[0]
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope() of q [1, Hq, T, D] and k [1, Hk, T, D] in one launch (same dtype)."""
+    _, q_heads, tokens, dim = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty((1, tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((1, tokens, k_heads, dim), dtype=k.dtype, device=k.device)
     cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    if tokens:
-        _rope_kernel[(tokens, heads)](
-            x, cos2, sin2, out, x.stride(2), x.stride(1), cos2.stride(0), out.stride(1),
-            out.stride(2), HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
+    if tokens and q_heads + k_heads:
+        _rope_kernel[(tokens, q_heads + k_heads)](
+            q, k, cos2, sin2, q_out, k_out, q.stride(2), q.stride(1), k.stride(2), k.stride(1),
+            cos2.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(1), k_out.stride(2),
+            q_heads, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
         )  # fmt: skip
-    return out.transpose(1, 2)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)

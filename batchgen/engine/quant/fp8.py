@@ -60,6 +60,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_reference(x)
 
 
+# attribute of a 16-bit activation carrying its FP8 rows, made by the kernel that wrote it
+_FP8_ROWS = "_batchgen_fp8_rows"
+
+
+def attach_fp8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Record on x (a kernel's fresh output) what quantize_rows makes of it: fp8 q [M, K] and
+    float32 scale [M], M * K = x.numel(). An FP8 linear given x uses them instead of
+    quantizing again. x must not be changed in place afterwards (no caller does)."""
+    setattr(x, _FP8_ROWS, (q, scale))
+
+
+def _rows_of(x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 = x as [M, K] -> its FP8 rows: the attached ones, else quantized now."""
+    rows = getattr(x, _FP8_ROWS, None)
+    if rows is not None and rows[0].shape == x2.shape:
+        return rows
+    return quantize_rows(x2.contiguous())
+
+
 # True only inside unquantized_activations() (the model check at start-up)
 _UNQUANTIZED_ACTIVATIONS = [False]
 
@@ -91,7 +110,7 @@ def fp8_linear(
     elif x2.shape[0] == 0:
         out = x2.new_empty(0, weight.shape[0])
     elif x.is_cuda:
-        xq, xs = quantize_rows(x2.contiguous())
+        xq, xs = _rows_of(x, x2)
         out = torch._scaled_mm(
             xq,
             weight.t(),  # [K, N], column-major: weight is [N, K] row-major
@@ -100,7 +119,7 @@ def fp8_linear(
             out_dtype=torch.bfloat16,  # what row-wise scaling produces
         ).to(x.dtype)
     else:
-        out = _fp8_product(*quantize_rows(x2), weight, scale, x.dtype)
+        out = _fp8_product(*_rows_of(x, x2), weight, scale, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
