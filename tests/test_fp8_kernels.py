@@ -135,3 +135,43 @@ def test_rms_norm_fp8_rows_equal_the_quantize_kernel() -> None:
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(out, rms_norm(x, weight, 1e-5))
+
+
+def _gate_up() -> torch.Tensor:
+    gu = torch.randn(5, 2 * (2048 + 96), dtype=torch.bfloat16)  # three column blocks a row
+    gu[1] *= 30.0
+    gu[2] = 0.0
+    gu[3, 2048 + 96 + 5] = 4000.0  # an outlier in "up" sets its row's scale
+    return gu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_writes_the_fp8_rows_of_its_output(device: str) -> None:
+    from batchgen.engine.kernels.fused_ops import launch_silu_mul_quant, silu_mul_merged
+
+    dev = tk._device(device)
+    gu = _gate_up().to(dev)
+    out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=dev)
+    scaled = torch.empty(out.shape, dtype=torch.float32, device=dev)
+    s = torch.empty(out.shape[0], dtype=torch.float32, device=dev)
+    launch_silu_mul_quant(gu, out, scaled, s)
+    assert torch.equal(out, silu_mul_merged(gu))
+    q_ref, s_ref = quantize_rows_reference(out.cpu())
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert scaled.abs().max() <= FP8_MAX and (scaled[2] == 0).all()
+    cast = scaled.cpu().to(FP8_DTYPE).float()
+    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+
+
+@pytest.mark.gpu
+def test_silu_mul_fp8_rows_equal_the_quantize_kernel() -> None:
+    from batchgen.engine.kernels.fused_ops import silu_mul_merged
+    from batchgen.engine.quant.fp8 import _FP8_ROWS
+
+    gu = _gate_up().cuda()[None]
+    out = silu_mul_merged(gu, quantize=True)
+    q, s = getattr(out, _FP8_ROWS)
+    q_ref, s_ref = quantize_rows_triton(out[0])
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(out, silu_mul_merged(gu))

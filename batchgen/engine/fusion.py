@@ -3,7 +3,8 @@ instance (the model object only; nothing inside transformers is replaced).
 
 - RMSNorm: one fused kernel; where its output goes straight into a merged FP8 projection,
   the same pass writes the FP8 rows that projection would quantize the output to.
-- Gated-SiLU MLP: gate and up projections as one GEMM, SiLU-and-mul fused.
+- Gated-SiLU MLP: gate and up projections as one GEMM, SiLU-and-mul fused (writing the FP8
+  rows of its result too where the down projection is FP8).
 - Attention (Llama, Mistral, Qwen2, Qwen3): q, k and v projections as one GEMM, rotary
   embedding fused, then batchgen's attention. Whether the fused rotary computes what the
   modeling file's own `apply_rotary_pos_emb` does is not assumed: the first call computes both
@@ -178,10 +179,12 @@ def _norm_forward(
 
 
 def _mlp_forward(module: nn.Module, ops: Any, merged: Merged | None) -> Callable[..., torch.Tensor]:
+    down_fp8 = type(module.down_proj) is Fp8Linear  # it takes the FP8 rows SiLU-and-mul writes
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if merged is None:
             return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
-        return module.down_proj(ops.silu_mul_merged(merged(x)))
+        return module.down_proj(ops.silu_mul_merged(merged(x), quantize=down_fp8))
 
     return forward
 

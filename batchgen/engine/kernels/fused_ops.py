@@ -136,9 +136,9 @@ def _silu_mul_merged_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK:
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
-def silu_mul_merged(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """silu(gate) * up where gate_up: [..., 2I] holds gate then up (one merged GEMM's output)
-    -> [..., I]."""
+    -> [..., I]. quantize: also its FP8 rows, attached as rms_norm(quantize=True) does."""
     shape = gate_up.shape
     rows = gate_up.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
@@ -146,11 +146,68 @@ def silu_mul_merged(gate_up: torch.Tensor) -> torch.Tensor:
     half = shape[-1] // 2
     out = torch.empty((rows.shape[0], half), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
+    if quantize:
+        q, scale = _fp8_buffers(out, True)
+        launch_silu_mul_quant(rows, out, q, scale)
+        from batchgen.engine.quant.fp8 import attach_fp8_rows
+
+        result = out.view(*shape[:-1], half)
+        attach_fp8_rows(result, q, scale)
+        return result
     if rows.shape[0]:
         _silu_mul_merged_kernel[(rows.shape[0], triton.cdiv(half, block))](
             rows, out, rows.stride(0), out.stride(0), half, BLOCK=block
         )
     return out.view(*shape[:-1], half)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    gu_ptr,
+    out_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_gu,
+    stride_o,
+    n_cols,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    """One program per row: the 16-bit result and its amax, then its FP8 row from it."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # HF rounds silu's result
+        y = (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.debug_barrier()  # this program's stores above are what it reads below
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def launch_silu_mul_quant(
+    gate_up: torch.Tensor, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """out [M, I] = silu(gate) * up of gate_up [M, 2I] (unit column stride), and q (fp8
+    [M, I], or float32 to keep the scaled, clamped values before the cast) and scale [M]:
+    quantize_rows of out."""
+    if gate_up.shape[0]:
+        _silu_mul_quant_kernel[(gate_up.shape[0],)](
+            gate_up, out, q, scale, gate_up.stride(0), out.stride(0), out.shape[1],
+            BLOCK=1024, **_fp8_consts(),
+        )  # fmt: skip
 
 
 @triton.jit
