@@ -1,0 +1,84 @@
+"""Kernel-level profile of steady decode steps: W1's 256 requests on a random-weight shape,
+40 steps in (every prompt prefilled, contexts ~360-400 tokens), 10 graphed decode steps under
+the torch profiler; GPU time per kernel name, per step. Needs a CUDA GPU.
+
+    PYTHONPATH=$PWD python benchmarks/decode_profile.py --shape 8b --precisions bf16,fp8,fp8-kv
+
+FP8 precisions quantize the model in place after the 16-bit one (as `batchgen bench` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from batchgen import Engine, EngineConfig, SamplingParams
+from batchgen.bench.systems import build_model
+from batchgen.bench.workloads import SHAPES, WORKLOADS
+from batchgen.engine.quant.convert import is_quantized, quantize_model
+from batchgen.engine.request import Prompt
+
+PRECISIONS = ("bf16", "fp8", "fp8-kv")
+
+
+def profile_steps(engine: Engine, prompts: list[list[int]], rows: int) -> None:
+    params = SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.0)
+    list(engine.generate(prompts[:64], params.replace(max_new_tokens=8), decode=False))
+    for i, p in enumerate(prompts):
+        engine.add_request(Prompt(p, f"r{i}"), params, f"r{i}")
+    for _ in range(40):  # prefill and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    print(f"  20 decode steps: {(time.perf_counter() - start) * 50:.2f} ms per step (wall)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda e: -e.device_time_total,
+    )
+    total = sum(e.device_time_total for e in kernels) / 10 / 1e3
+    print(f"  kernels: {total:.2f} ms per step")
+    print("  | ms per step | launches per step | kernel |\n  |---|---|---|")
+    for e in kernels[:rows]:
+        print(f"  | {e.device_time_total / 10 / 1e3:.3f} | {e.count // 10} | {e.key[:80]} |")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--precisions", default="bf16", help="comma-separated: bf16,fp8,fp8-kv")
+    parser.add_argument("--rows", type=int, default=12, help="kernels listed per precision")
+    args = parser.parse_args()
+    chosen = args.precisions.split(",")
+    if not torch.cuda.is_available() or not set(chosen) <= set(PRECISIONS):
+        raise SystemExit(f"needs a CUDA GPU and precisions among {', '.join(PRECISIONS)}")
+    shape = SHAPES[args.shape]
+    model = build_model(shape)
+    prompts = WORKLOADS["W1"].prompts(shape.vocab)
+    for name in (p for p in PRECISIONS if p in chosen):
+        if name != "bf16" and not is_quantized(model):
+            quantize_model(model)
+        print(f"== {args.shape} {name}")
+        config = EngineConfig(kv_cache_dtype="fp8" if name == "fp8-kv" else "auto")
+        engine = Engine(model, config)
+        profile_steps(engine, prompts, args.rows)
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
