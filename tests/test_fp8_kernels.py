@@ -99,6 +99,16 @@ def test_decode_reads_fp8_cache(device: str, num_splits: int) -> None:
     assert tk.rel_err(out, ref) < tk.BF16_TOL
 
 
+def _assert_rows_of(out: torch.Tensor, scaled: torch.Tensor, s: torch.Tensor) -> None:
+    """scaled (values before the FP8 cast) and s are what quantize_rows makes of out (its
+    row 2 all zeros)."""
+    q_ref, s_ref = quantize_rows_reference(out.cpu())
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert scaled.abs().max() <= FP8_MAX and (scaled[2] == 0).all()
+    cast = scaled.cpu().to(FP8_DTYPE).float()
+    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+
+
 @pytest.mark.skipif(not tk.INTERPRET, reason="needs TRITON_INTERPRET")
 def test_rms_norm_writes_the_fp8_rows_of_its_output() -> None:
     """The norm that feeds an FP8 projection writes the rows quantize_rows would make of its
@@ -115,11 +125,7 @@ def test_rms_norm_writes_the_fp8_rows_of_its_output() -> None:
     launch_rms_norm(x, weight, 1e-5, out, scaled, s)
     launch_rms_norm(x, weight, 1e-5, plain)
     assert torch.equal(out, plain)
-    q_ref, s_ref = quantize_rows_reference(out.cpu())
-    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
-    assert scaled.abs().max() <= FP8_MAX and (scaled[2] == 0).all()
-    cast = scaled.cpu().to(FP8_DTYPE).float()
-    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+    _assert_rows_of(out, scaled, s)
 
 
 @pytest.mark.gpu
@@ -158,11 +164,7 @@ def test_silu_mul_writes_the_fp8_rows_of_its_output() -> None:
     s = torch.empty(out.shape[0], dtype=torch.float32, device=dev)
     launch_silu_mul_quant(gu, out, scaled, s)
     assert torch.equal(out, silu_mul_merged(gu))
-    q_ref, s_ref = quantize_rows_reference(out.cpu())
-    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
-    assert scaled.abs().max() <= FP8_MAX and (scaled[2] == 0).all()
-    cast = scaled.cpu().to(FP8_DTYPE).float()
-    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+    _assert_rows_of(out, scaled, s)
 
 
 @pytest.mark.gpu
