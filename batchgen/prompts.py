@@ -250,6 +250,8 @@ class PromptBuilder:
 
 def _params(base: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
     """The row's sampling as the engine will build it; ValueError naming a bad value."""
+    if not overrides:  # the job's own values, checked when they were read
+        return base
     try:
         return base.replace(**overrides)
     except (ValueError, TypeError, OverflowError) as exc:
