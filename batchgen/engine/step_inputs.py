@@ -15,7 +15,7 @@ prepare_step reads requests and never changes them: what the step sent is return
 from __future__ import annotations
 
 from array import array
-from itertools import chain
+from itertools import chain, islice
 from typing import NamedTuple
 
 import torch
@@ -130,7 +130,7 @@ def _plain_run(chunks: list[ScheduledChunk], first: int) -> int:
     block entries, no penalty state to send, no tokens banned (what _add_chunk would do in
     bulk). first itself when chunks[first] is not one."""
     k = first
-    for c in chunks[first:]:
+    for c in islice(chunks, first, None):  # no copy of the step's tail per call
         r = c.request
         if (
             c.num_tokens != 1

@@ -72,6 +72,8 @@ class TritonPlan:
     num_prefills: int  # sequences [num_decodes, B)
     num_prefill_tokens: int
     prefill_block_m: int
+    decode_block_n: int  # keys per decode tile, for the cache's dtype
+    decode_num_warps: int
 
 
 class TritonBackend:
@@ -118,12 +120,11 @@ class TritonBackend:
         kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.num_decodes:
-            block_n, warps = tune.decode_tiles(k_cache.dtype)
             kern.paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                 window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits, **extra,
-                min_partition=tune.decode_min_partition, out=out, block_n=block_n,
-                num_warps=warps, num_stages=tune.decode_num_stages,
+                min_partition=tune.decode_min_partition, out=out, block_n=plan.decode_block_n,
+                num_warps=plan.decode_num_warps, num_stages=tune.decode_num_stages,
             )  # fmt: skip
         if plan.num_prefills:
             kern.paged_prefill(
@@ -148,6 +149,7 @@ class TritonBackend:
             min_partition=tune.decode_min_partition,
             max_splits=tune.decode_max_splits,
         )
+        block_n, warps = tune.decode_tiles(k_cache.dtype)
         longest = max((b - a for a, b in pairwise(cu[num_decodes:])), default=0)
         small = longest <= tune.prefill_small_block_m
         return TritonPlan(
@@ -156,6 +158,8 @@ class TritonBackend:
             num_prefills=num_seqs - num_decodes,
             num_prefill_tokens=cu[-1] - cu[num_decodes],
             prefill_block_m=tune.prefill_small_block_m if small else tune.prefill_block_m,
+            decode_block_n=block_n,
+            decode_num_warps=warps,
         )
 
 
