@@ -1,3 +1,4 @@
 from batchgen.cli import main
 
-main()
+if __name__ == "__main__":  # not when a tokenizer process re-imports the main module
+    main()

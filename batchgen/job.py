@@ -43,11 +43,12 @@ from batchgen.io.fs import as_path
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
-from batchgen.pipeline import Consumer, Producer, Stats, row_hash, wait_for
+from batchgen.pipeline import Consumer, Producer, Stats, wait_for
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
+from batchgen.tokenizer_pool import TokenizerPool, row_hash
 
 IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs nothing
 
@@ -348,14 +349,21 @@ def run_pipeline(
     -> (counts, the producer, the step records' file when the job profiles).
     before_commit: raises when no shard may be written (the directory's lock is lost)."""
     builder, id_column = _prompt_stage(spec, engine)
+    tokenizers = TokenizerPool(
+        builder,
+        engine.tokenizer,
+        id_column,
+        threads=spec.pipeline.tokenizer_threads,
+        processes=spec.pipeline.tokenizer_processes,
+        warn=_to_stderr,
+    )
     halt = threading.Event()  # stops the producer however the engine loop ends
     rows = share.rows(source.num_rows, done)
     producer = Producer(
         source.rank_batches(_read_columns(spec), id_column, rows),
-        builder,
+        tokenizers,
         done,
         id_column,
-        spec.pipeline.tokenizer_threads,
         spec.pipeline.prefetch_batches * source.batch_rows,
         halt,
         hash_rows=INPUT_HASH in columns,
@@ -371,10 +379,9 @@ def run_pipeline(
         before_commit=before_commit,
         rank=None if share.world_size == 1 else share.rank,
     )
-    tok = engine.tokenizer
     consumer = Consumer(
         writer,
-        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        tokenizers.decode,
         out.include_token_ids,
         on_row,
         hooks.on_rows,
@@ -394,6 +401,7 @@ def run_pipeline(
         profile = _stop_profile(recorder)
         consumer.queue.put(None)
         wait_for(consumer)
+        tokenizers.close()
     if producer.error is not None:
         raise producer.error
     if consumer.error is not None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
-import json
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,22 +18,18 @@ from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow
-from batchgen.prompts import PromptBuilder, RowPrompt
+from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RankRows
+from batchgen.tokenizer_pool import TokenizerPool
 
 _POLL_S = 0.2
 PREPARE_ROWS = 128  # rows per tokenizer task: the engine's first rows wait for one task only
-
-
-def row_hash(row: RawRow) -> str:
-    """A stable hash of what was read for a row (its values, or why they could not be read)."""
-    body = row.error if row.values is None else row.values
-    text = json.dumps(body, sort_keys=True, ensure_ascii=True, default=repr)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
+WRITE_ROWS = 512  # finished requests the writer takes together (their texts decoded at once)
 
 
 class Producer(threading.Thread):
-    """Streams input batches, skips committed rows, flags duplicate ids, tokenizes in a pool.
+    """Streams input batches, skips committed rows, flags duplicate ids, has the tokenizer
+    pool prepare the rest (in its processes, or threads).
 
     With several ranks (share), a rank is given every row (another rank's with its id alone)
     and tracks every id, so a duplicate id is flagged alike at any world size, but prepares
@@ -45,10 +39,9 @@ class Producer(threading.Thread):
     def __init__(
         self,
         batches: Iterator[list[RawRow]],
-        builder: PromptBuilder,
+        tokenizers: TokenizerPool,
         done: set[int],
         id_column: str | None,
-        threads: int,
         prefetch_rows: int,
         stop: threading.Event,
         hash_rows: bool = False,
@@ -56,13 +49,12 @@ class Producer(threading.Thread):
     ) -> None:
         super().__init__(name="batchgen-producer", daemon=True)
         self.batches = batches
-        self.builder = builder
+        self.tokenizers = tokenizers
         self.done = done
         self.id_column = id_column
         self.hash_rows = hash_rows  # record each row's hash (sources without a fingerprint)
         self.share = share or ALONE.rows(None, done)  # None: every row not committed
         self._past = 0  # rows not committed read so far at or past share.num_rows (row_share)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
         self.queue: queue.Queue[Future[list[RowPrompt]] | None]
         self.queue = queue.Queue(maxsize=max(1, prefetch_rows // PREPARE_ROWS))
         self.stop = stop
@@ -74,7 +66,7 @@ class Producer(threading.Thread):
         self._ready: collections.deque[RowPrompt] = collections.deque()
         self._ended = False
         # ready_rows() = prepared - taken: rows tokenized and not yet given to the engine
-        self._prepared = 0  # written by the tokenizer threads, under _count_lock
+        self._prepared = 0  # written by the futures' callbacks, under _count_lock
         self._taken = 0  # written by the engine thread
         self._count_lock = threading.Lock()
 
@@ -83,8 +75,11 @@ class Producer(threading.Thread):
             for batch in self.batches:
                 todo = [(row, dup) for row in batch for keep, dup in [self._check(row)] if keep]
                 for start in range(0, len(todo), PREPARE_ROWS):  # the first rows go out soon
-                    part = todo[start : start + PREPARE_ROWS]
-                    if not self._put(self.pool.submit(self._prepare, part)):
+                    task = self.tokenizers.prepare(
+                        todo[start : start + PREPARE_ROWS], self.hash_rows
+                    )
+                    task.add_done_callback(self._count)
+                    if not self._put(task):
                         return
                 if self.stop.is_set():
                     return
@@ -93,7 +88,6 @@ class Producer(threading.Thread):
             self.error = exc
         finally:
             self._put(None)
-            self.pool.shutdown(wait=False)
 
     def next_row(self, wait: float) -> RowPrompt | object | None:
         """The next prepared row in input order; None at the end of the input (or when
@@ -141,25 +135,10 @@ class Producer(threading.Thread):
         self._past += row.index >= self.share.num_rows
         return self.share.owns(row.index, past), duplicate
 
-    def _prepare(self, rows: list[tuple[RawRow, str | None]]) -> list[RowPrompt]:
-        readable = [(row.index, row.values) for row, _ in rows if row.values is not None]
-        built = iter(self.builder.build_many(readable))
-        out = []
-        for row, duplicate in rows:
-            digest = row_hash(row) if self.hash_rows else None
-            if row.values is None:
-                row_id = str(row.index) if self.id_column is None else ""
-                out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error, digest))
-                continue
-            prepared = next(built)._replace(input_hash=digest)
-            if duplicate is not None:
-                prepared = prepared._replace(
-                    prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
-                )
-            out.append(prepared)
-        with self._count_lock:
-            self._prepared += len(out)
-        return out
+    def _count(self, task: Future[list[RowPrompt]]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            with self._count_lock:
+                self._prepared += len(task.result())
 
     def _put(self, item: Future[list[RowPrompt]] | None) -> bool:
         while True:
@@ -183,6 +162,8 @@ class Stats:
 class Consumer(threading.Thread):
     """Turns finished requests (and error rows) into output rows and commits shards.
 
+    It takes the finished requests queued so far together (up to WRITE_ROWS), has their texts
+    decoded in one call (the tokenizer processes, when the job has them), then builds rows.
     A failure (a shard that cannot be written) is kept in `error` and sets `failed` at once,
     so the engine stops instead of generating rows that cannot be saved.
     """
@@ -190,14 +171,14 @@ class Consumer(threading.Thread):
     def __init__(
         self,
         writer: ShardWriter,
-        decode: Callable[[list[int]], str],
+        decode: Callable[[list[list[int]]], list[str]],
         include_token_ids: bool,
         on_row: Callable[[Stats], None],
         on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         super().__init__(name="batchgen-writer", daemon=True)
         self.writer = writer
-        self.decode = decode
+        self.decode = decode  # token-id lists -> their texts
         self.include_token_ids = include_token_ids
         self.on_row = on_row
         self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
@@ -219,26 +200,39 @@ class Consumer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while True:
+            ended = False
+            while not ended:
                 try:
                     item = self.queue.get(timeout=_POLL_S)
                 except queue.Empty:
                     self.writer.maybe_commit()
                     continue
-                if item is None:
-                    break
-                self._collect(*item)
+                items = []
+                while item is not None:
+                    items.append(item)
+                    if len(items) == WRITE_ROWS or self.queue.empty():
+                        break
+                    item = self.queue.get_nowait()
+                ended = item is None
+                self._write(items)
             self.writer.commit()
         except BaseException as exc:
             self.error = exc
             self.failed.set()
 
-    def _collect(self, prompt: RowPrompt, out: RequestOutput | None) -> None:
+    def _write(self, items: list[tuple[RowPrompt, RequestOutput | None]]) -> None:
+        """Decode the items' texts in one call, then collect their rows in order."""
+        wanted = [_texts_wanted(prompt, out) for prompt, out in items]
+        texts = iter(self.decode([ids for seqs in wanted for ids in seqs]))
+        for (prompt, out), seqs in zip(items, wanted, strict=True):
+            self._collect(prompt, out, [next(texts) for _ in seqs])
+
+    def _collect(self, prompt: RowPrompt, out: RequestOutput | None, texts: list[str]) -> None:
         """Write an input row's samples together, once the last of them has finished."""
         if self.stats.first_row_at is None:
             self.stats.first_row_at = time.perf_counter()
         group = self._samples.setdefault(prompt.index, [])
-        group.append(self._row(prompt, out))
+        group.append(self._row(prompt, out, texts))
         if out is None or out.last:
             del self._samples[prompt.index]
             group.sort(key=lambda r: r.sample_index)
@@ -249,15 +243,20 @@ class Consumer(threading.Thread):
                 self.on_rows(records)
             self.on_row(self.stats)
 
-    def _row(self, prompt: RowPrompt, out: RequestOutput | None) -> OutputRow:
+    def _row(self, prompt: RowPrompt, out: RequestOutput | None, texts: list[str]) -> OutputRow:
+        """texts: those of _texts_wanted(prompt, out), in its order."""
         error = prompt.error if out is None else out.error
         generated = [] if out is None or error else out.output_token_ids
-        text = out.text if out is not None and out.text is not None else self.decode(generated)
+        if out is not None and out.text is not None:
+            text = out.text
+        else:
+            text, texts = texts[0], texts[1:]
         if out is not None and out.check is not None and error is None:
             error = output_problem(out.check, text)  # a complete structured output
         logprobs = None
         if out is not None and out.logprobs is not None and not error:
-            logprobs = [self._logprob_entry(lp) for lp in out.logprobs]
+            tokens = iter(texts)
+            logprobs = [_logprob_entry(lp, tokens) for lp in out.logprobs]
         ids = self.include_token_ids
         return OutputRow(
             index=prompt.index,
@@ -275,18 +274,6 @@ class Consumer(threading.Thread):
             input_hash=prompt.input_hash,
         )
 
-    def _logprob_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
-        top = [
-            {"token": self.decode([t]), "token_id": t, "logprob": v}
-            for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
-        ]
-        return {
-            "token": self.decode([lp.token_id]),
-            "token_id": lp.token_id,
-            "logprob": lp.logprob,
-            "top_logprobs": top,
-        }
-
     def _count(self, rows: list[OutputRow]) -> None:
         s = self.stats
         for row in rows:
@@ -296,6 +283,29 @@ class Consumer(threading.Thread):
                 s.rows_error += 1
             s.prompt_tokens += row.num_prompt_tokens
             s.generated_tokens += row.num_generated_tokens
+
+
+def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int]]:
+    """The token-id lists an item's row shows as text, in the order _row reads them: the
+    output (unless the engine gave its text), then each logprob entry's token and top tokens."""
+    error = prompt.error if out is None else out.error
+    if out is None or error:
+        return [[]]
+    seqs = [] if out.text is not None else [out.output_token_ids]
+    for lp in out.logprobs or ():
+        seqs.append([lp.token_id])
+        seqs.extend([t] for t in lp.top_ids)
+    return seqs
+
+
+def _logprob_entry(lp: TokenLogprobs, texts: Iterator[str]) -> dict[str, Any]:
+    """An output row's logprob entry; texts yields the token's text, then its top tokens'."""
+    token = next(texts)
+    top = [
+        {"token": next(texts), "token_id": t, "logprob": v}
+        for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+    ]
+    return {"token": token, "token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": top}
 
 
 def wait_for(thread: threading.Thread, poll_s: float = _POLL_S) -> None:

@@ -48,6 +48,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts ahead of the engine
+    # processes that render, tokenize and detokenize beside the engine's process (0 = the
+    # threads above do it all); measured slower than threads on the job-path bench so far
+    tokenizer_processes: int = 0
     prefetch_batches: int = 4  # tokenized input batches queued ahead of the engine
     quiet: bool = False  # no progress bar
     # how long a thread may hold the GIL while another waits for it (sys.setswitchinterval,
@@ -66,6 +69,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be >= 1")
+        if not 0 <= self.tokenizer_processes <= 64:
+            raise ValueError(f"tokenizer_processes={self.tokenizer_processes} must be in [0, 64]")
         if self.prefetch_batches < 1:
             raise ValueError(f"prefetch_batches={self.prefetch_batches} must be >= 1")
         if not 0 < self.switch_interval_ms <= 100:

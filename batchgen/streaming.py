@@ -26,8 +26,8 @@ from batchgen.io.layout import temp_path
 from batchgen.io.output_schema import INPUT_HASH
 from batchgen.io.readers import RawRow
 from batchgen.job import Hooks, run_job
-from batchgen.pipeline import row_hash
 from batchgen.spec import JobSpec
+from batchgen.tokenizer_pool import row_hash
 
 FIRST_WINDOW = 4  # rows admitted ahead of the caller before it has taken any
 _POLL_S = 0.05

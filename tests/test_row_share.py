@@ -13,6 +13,7 @@ from batchgen.io import RawRow
 from batchgen.pipeline import Producer
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import RowShare
+from batchgen.tokenizer_pool import TokenizerPool
 
 
 class EchoBuilder:
@@ -22,7 +23,8 @@ class EchoBuilder:
 
 def run_producer(batches, done: set[int], share) -> list[RowPrompt]:
     """Every row a producer prepares from `batches`."""
-    producer = Producer(batches, EchoBuilder(), done, "uid", 1, 8, threading.Event(), share=share)
+    pool = TokenizerPool(EchoBuilder(), None, "uid", threads=1, processes=0)
+    producer = Producer(batches, pool, done, "uid", 8, threading.Event(), share=share)
     producer.start()
     out = []
     while (row := producer.next_row(5.0)) is not None:

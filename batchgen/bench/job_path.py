@@ -23,12 +23,17 @@ import pyarrow.parquet as pq
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from batchgen.bench.systems import CudaTimeline, gpu_idle_share
+from batchgen.bench.systems import CudaTimeline, gpu_idle_share, step_breakdown
 from batchgen.bench.workloads import Shape
 from batchgen.engine import Engine, EngineConfig, SamplingParams
 
 VOCAB = 32768
-OTHER_SWITCH_MS = 20.0  # a GIL switch interval to compare the job's default with
+# the job paths run: the job's defaults (tokenizing and decoding on threads of the engine's
+# process), and with tokenizer processes
+JOB_PATHS = {
+    "job path (text Parquet -> shards)": {},
+    "job path, 2 tokenizer processes": {"runtime.tokenizer_processes": 2},
+}
 
 
 class PathResult(NamedTuple):
@@ -38,6 +43,9 @@ class PathResult(NamedTuple):
     gpu_idle_share: float | None
     head_s: float  # from the start to the first step's launch
     tail_s: float  # from the last step's launch to the end (its results written)
+    busy_s: float  # GPU time inside the steps, all of them
+    graphed_steps: int
+    eager_steps: int  # prefill and mixed steps
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,8 +125,7 @@ def build_model(shape: Shape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCau
 def run_paths(
     shape: Shape, rows: int, new_tokens: int, lengths: tuple[int, int], config: EngineConfig
 ) -> tuple[list[PathResult], int]:
-    """-> ([engine alone, job path, job path at Python's GIL switch interval], vocabulary)
-    on the same prompts, one engine."""
+    """-> ([engine alone, *the JOB_PATHS], vocabulary) on the same prompts, one engine."""
     from batchgen.models.tiny import batchgen_home
 
     tokenizer = bench_tokenizer(batchgen_home())
@@ -131,10 +138,10 @@ def run_paths(
     list(engine.generate(ids, params.replace(max_new_tokens=2), decode=False))
     engine.blocks.clear_cache()  # no path starts with prompts another one cached
     results = [_engine_alone(engine, ids, params)]
-    for switch_ms in (None, OTHER_SWITCH_MS):
+    for name, settings in JOB_PATHS.items():
         engine.blocks.clear_cache()
         with tempfile.TemporaryDirectory() as tmp:
-            results.append(_job(engine, texts, params, Path(tmp), switch_ms))
+            results.append(_job(engine, texts, params, Path(tmp), name, settings))
     engine.close()
     return results, len(tokenizer)
 
@@ -148,18 +155,16 @@ def _engine_alone(engine: Engine, ids: list[list[int]], params: SamplingParams) 
     torch.cuda.synchronize()
     end = time.perf_counter()
     engine.runner.step_hook = None
-    return PathResult(
-        "engine alone (token ids)",
-        end - start,
-        tokens,
-        gpu_idle_share(timeline.steps),
-        timeline.first_launch - start,
-        end - timeline.last_launch,
-    )
+    return _result("engine alone (token ids)", end - start, tokens, timeline, start, end)
 
 
 def _job(
-    engine: Engine, texts: list[str], params: SamplingParams, tmp: Path, switch_ms: float | None
+    engine: Engine,
+    texts: list[str],
+    params: SamplingParams,
+    tmp: Path,
+    name: str,
+    settings: dict[str, object],
 ) -> PathResult:
     from batchgen.job import run_job
     from batchgen.spec import load_spec
@@ -171,9 +176,8 @@ def _job(
         "sampling.max_new_tokens": params.max_new_tokens,
         "sampling.ignore_eos": True,
         "runtime.quiet": True,
+        **settings,
     }
-    if switch_ms is not None:
-        values["runtime.switch_interval_ms"] = switch_ms
     spec = load_spec(None, values=values)
     timeline = CudaTimeline()
     engine.runner.step_hook = timeline
@@ -184,16 +188,24 @@ def _job(
     summary = result.summary
     if not result.complete or summary.rows_error:
         raise RuntimeError(f"the benchmark job did not complete cleanly: {summary}")
-    name = "job path (text Parquet -> shards)"
-    if switch_ms is not None:
-        name += f", GIL switch interval {switch_ms:g} ms"
+    torch.cuda.synchronize()
+    return _result(name, end - start, summary.generated_tokens, timeline, start, end)
+
+
+def _result(
+    name: str, seconds: float, tokens: int, timeline: CudaTimeline, start: float, end: float
+) -> PathResult:
+    steps = step_breakdown(timeline.steps, seconds)
     return PathResult(
         name,
-        end - start,
-        summary.generated_tokens,
+        seconds,
+        tokens,
         gpu_idle_share(timeline.steps),
         timeline.first_launch - start,
         end - timeline.last_launch,
+        sum(s.elapsed_time(e) for s, e, _ in timeline.steps) / 1e3,
+        steps["graphed_steps"],
+        steps["eager_steps"],
     )
 
 
@@ -202,15 +214,15 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
     lines = [
         f"{shape}, {rows} rows x {new_tokens} new tokens, {vocab:,}-token vocabulary",
         "| path | output tok/s | x engine alone | GPU idle (steady decode) "
-        "| start -> first step s | last step -> end s |",
-        "|---|---|---|---|---|---|",
+        "| start -> first step s | last step -> end s | GPU busy s | steps graphed / eager |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         idle = "-" if r.gpu_idle_share is None else f"{100 * r.gpu_idle_share:.1f}%"
         ratio = r.tokens_per_s / alone.tokens_per_s
         lines.append(
             f"| {r.path} | {r.tokens_per_s:,.0f} | {ratio:.3f}x | {idle} | {r.head_s:.3f} "
-            f"| {r.tail_s:.3f} |"
+            f"| {r.tail_s:.3f} | {r.busy_s:.3f} | {r.graphed_steps} / {r.eager_steps} |"
         )
     return "\n".join(lines)
 

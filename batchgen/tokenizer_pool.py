@@ -1,0 +1,285 @@
+"""Where a job renders, tokenizes and detokenizes: tokenizer processes beside the engine's.
+
+The engine thread launches every step from Python, so any other thread of its process that
+runs Python (rendering a prompt, decoding an output) can make it wait for the GIL, up to the
+switch interval each time, while the GPU idles. vLLM and SGLang tokenize and detokenize in
+other processes for this reason, and so does a job with `runtime.tokenizer_processes` > 0:
+
+- Each worker is a fresh `python -m batchgen.tokenizer_pool` connected by its stdin and
+  stdout. It gets the job's prompt builder and tokenizer once, then answers tasks in order.
+- `prepare(rows)` turns input rows into RowPrompts in a worker (one task per PREPARE_ROWS).
+- `decode(seqs)` turns token-id lists into text in the workers, for the writer.
+- What crosses a pipe is plain data: row values in, token ids and text out.
+- A worker exits when its stdin closes: at the end of the job, or when the job's process dies
+  (even by SIGKILL). It never imports the caller's main module, so a script without an
+  `if __name__ == "__main__"` guard is not run again.
+
+Until the first worker has started (it imports the tokenizer's module, a second or more), tasks
+run on the job's own threads, so the first rows do not wait for it. Either way the same
+builder code runs on the same values, so rows come out the same.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any
+
+from batchgen.prompts import RowPrompt
+
+if TYPE_CHECKING:  # a worker does not import pyarrow for a type
+    from batchgen.io import RawRow
+
+# tokens per decode task: a task's round trip (pickling both ways) costs the job's process
+# about what decoding a few thousand tokens there does (72 us per 256 on an H200 host)
+DECODE_CHUNK_TOKENS = 4096
+PICKLE = pickle.HIGHEST_PROTOCOL
+
+
+def row_hash(row: RawRow) -> str:
+    """A stable hash of what was read for a row (its values, or why they could not be read)."""
+    body = row.error if row.values is None else row.values
+    text = json.dumps(body, sort_keys=True, ensure_ascii=True, default=repr)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
+
+
+def prepare_rows(
+    builder: Any, rows: list[tuple[RawRow, str | None]], id_column: str | None, hash_rows: bool
+) -> list[RowPrompt]:
+    """(input row, the duplicate id it repeats or None) -> one RowPrompt each, in order: built
+    by the builder, or an error row (unreadable, or a duplicate id)."""
+    readable = [(row.index, row.values) for row, _ in rows if row.values is not None]
+    built = iter(builder.build_many(readable))
+    out = []
+    for row, duplicate in rows:
+        digest = row_hash(row) if hash_rows else None
+        if row.values is None:
+            row_id = str(row.index) if id_column is None else ""
+            out.append(RowPrompt(row.index, row_id, None, {}, {}, row.error, digest))
+            continue
+        prepared = next(built)._replace(input_hash=digest)
+        if duplicate is not None:
+            prepared = prepared._replace(
+                prompt_ids=None, error=f"duplicate id {duplicate!r}: an earlier row has it"
+            )
+        out.append(prepared)
+    return out
+
+
+def decode_texts(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
+    """The text of each token-id list, as output rows show it (special tokens left out)."""
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
+
+
+class TokenizerPool:
+    """The job's tokenizer threads and, with processes > 0, its tokenizer processes."""
+
+    def __init__(
+        self,
+        builder: Any,
+        tokenizer: Any,
+        id_column: str | None,
+        *,
+        threads: int,
+        processes: int,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.builder, self.tokenizer, self.id_column = builder, tokenizer, id_column
+        self.threads = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-tokenizer")
+        self.workers: list[_Worker] = []
+        self._turn = itertools.count()  # round robin over the workers
+        self._started: Future[bool] | None = None  # done once every worker has answered
+        self._warn = warn or (lambda line: print(line, file=sys.stderr))
+        self._closing = threading.Lock()
+        self._closed = False
+        if processes > 0:
+            self._started = Future()
+            threading.Thread(
+                target=self._start, args=(processes,), name="batchgen-tokenizer-start", daemon=True
+            ).start()
+
+    def _start(self, processes: int) -> None:
+        """Start the workers (on a thread of its own: each imports the tokenizer's module
+        first) and send each the builder and tokenizer; tasks go to threads meanwhile."""
+        assert self._started is not None
+        workers: list[_Worker] = []
+        try:
+            payload = pickle.dumps((self.builder, self.tokenizer), PICKLE)
+            workers += [_Worker(payload) for _ in range(processes)]
+            for worker in workers:
+                worker.call("ping").result()
+        except BaseException as exc:  # reported once, by in_processes
+            for worker in workers:
+                worker.close()
+            self._started.set_exception(exc)
+            return
+        with self._closing:
+            if self._closed:
+                for worker in workers:
+                    worker.close()
+                return
+            self.workers = workers
+        self._started.set_result(True)
+
+    @property
+    def in_processes(self) -> bool:
+        """Whether tasks go to the worker processes now (they have started)."""
+        started = self._started
+        if started is None or not started.done():
+            return False
+        if started.exception() is not None:  # a worker could not start: stay in threads
+            exc = started.exception()
+            self._warn(
+                f"tokenizer processes could not start ({type(exc).__name__}: {exc}): "
+                "tokenizing in threads of the engine's process"
+            )
+            self._started = None
+            return False
+        return True
+
+    def prepare(
+        self, rows: list[tuple[RawRow, str | None]], hash_rows: bool
+    ) -> Future[list[RowPrompt]]:
+        """Build the rows' prompts in a worker process (a thread until they run)."""
+        if self.in_processes:
+            return self._next_worker().call("prepare", rows, self.id_column, hash_rows)
+        return self.threads.submit(prepare_rows, self.builder, rows, self.id_column, hash_rows)
+
+    def decode(self, seqs: list[list[int]]) -> list[str]:
+        """The texts of the token-id lists. With DECODE_CHUNK_TOKENS tokens or more they are
+        decoded in the worker processes (once they run), in chunks of about that many, while
+        the calling thread (the writer's) waits without the GIL; fewer cost less here than a
+        task's round trip does."""
+        chunks: list[list[list[int]]] = [[]]
+        tokens = 0
+        for ids in seqs:
+            if tokens >= DECODE_CHUNK_TOKENS:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(ids)
+            tokens += len(ids)
+        if (len(chunks) == 1 and tokens < DECODE_CHUNK_TOKENS) or not self.in_processes:
+            return decode_texts(self.tokenizer, seqs)
+        tasks = [self._next_worker().call("decode", chunk) for chunk in chunks]
+        return [text for task in tasks for text in task.result()]
+
+    def _next_worker(self) -> _Worker:
+        return self.workers[next(self._turn) % len(self.workers)]
+
+    def close(self) -> None:
+        """No more tasks: workers exit once they see their stdin closed."""
+        self.threads.shutdown(wait=False)
+        with self._closing:
+            self._closed = True
+            for worker in self.workers:
+                worker.close()
+
+
+class _Worker:
+    """One worker process and the tasks sent to it, answered in the order sent."""
+
+    def __init__(self, payload: bytes) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._to, self._from = self.process.stdin, self.process.stdout
+        self._lock = threading.Lock()  # one message at a time on the pipe
+        self._waiting: collections.deque[Future[Any]] = collections.deque()
+        self._send(payload)
+        threading.Thread(
+            target=self._answers, name="batchgen-tokenizer-answers", daemon=True
+        ).start()
+
+    def call(self, kind: str, *args: Any) -> Future[Any]:
+        task: Future[Any] = Future()
+        with self._lock:
+            self._waiting.append(task)
+            try:
+                pickle.dump((kind, args), self._to, PICKLE)
+                self._to.flush()
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                self._waiting.remove(task)
+                task.set_exception(self._died(exc))
+        return task
+
+    def _send(self, payload: bytes) -> None:
+        self._to.write(payload)  # the first message: (builder, tokenizer), pickled
+        self._to.flush()
+
+    def _answers(self) -> None:
+        """Resolve the waiting tasks in order; at the pipe's end, fail those left."""
+        try:
+            while True:
+                ok, value = pickle.load(self._from)
+                task = self._waiting.popleft()
+                if ok:
+                    task.set_result(value)
+                else:
+                    task.set_exception(RuntimeError(f"a tokenizer process failed: {value}"))
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            with self._lock:
+                while self._waiting:
+                    self._waiting.popleft().set_exception(self._died(exc))
+
+    def _died(self, exc: BaseException) -> RuntimeError:
+        code = self.process.poll()
+        return RuntimeError(
+            f"a tokenizer process (pid {self.process.pid}) ended"
+            + ("" if code is None else f" with exit code {code}")
+            + f" ({type(exc).__name__})"
+        )
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            self._to.close()
+
+
+def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+    """A worker: the (builder, tokenizer), then one answer per task until stdin ends."""
+    builder, tokenizer = pickle.load(requests)
+    tasks: dict[str, Callable[..., Any]] = {
+        "ping": lambda: True,
+        "prepare": lambda rows, id_column, hash_rows: prepare_rows(
+            builder, rows, id_column, hash_rows
+        ),
+        "decode": lambda seqs: decode_texts(tokenizer, seqs),
+    }
+    while True:
+        try:
+            kind, args = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = (True, tasks[kind](*args))
+        except Exception as exc:
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        pickle.dump(answer, answers, PICKLE)
+        answers.flush()
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
+    answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(sys.stdin.buffer, answers)
+
+
+if __name__ == "__main__":
+    main()
