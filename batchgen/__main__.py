@@ -1,4 +1,4 @@
 from batchgen.cli import main
 
-if __name__ == "__main__":  # not when a tokenizer process re-imports the main module
+if __name__ == "__main__":  # importing the module runs nothing
     main()

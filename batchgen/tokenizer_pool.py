@@ -138,8 +138,8 @@ class TokenizerPool:
         started = self._started
         if started is None or not started.done():
             return False
-        if started.exception() is not None:  # a worker could not start: stay in threads
-            exc = started.exception()
+        exc = started.exception()
+        if exc is not None:  # a worker could not start: stay in threads
             self._warn(
                 f"tokenizer processes could not start ({type(exc).__name__}: {exc}): "
                 "tokenizing in threads of the engine's process"
@@ -161,6 +161,8 @@ class TokenizerPool:
         decoded in the worker processes (once they run), in chunks of about that many, while
         the calling thread (the writer's) waits without the GIL; fewer cost less here than a
         task's round trip does."""
+        if not self.in_processes or sum(map(len, seqs)) < DECODE_CHUNK_TOKENS:
+            return decode_texts(self.tokenizer, seqs)
         chunks: list[list[list[int]]] = [[]]
         tokens = 0
         for ids in seqs:
@@ -169,8 +171,6 @@ class TokenizerPool:
                 tokens = 0
             chunks[-1].append(ids)
             tokens += len(ids)
-        if (len(chunks) == 1 and tokens < DECODE_CHUNK_TOKENS) or not self.in_processes:
-            return decode_texts(self.tokenizer, seqs)
         tasks = [self._next_worker().call("decode", chunk) for chunk in chunks]
         return [text for task in tasks for text in task.result()]
 
@@ -201,7 +201,8 @@ class _Worker:
         self._to, self._from = self.process.stdin, self.process.stdout
         self._lock = threading.Lock()  # one message at a time on the pipe
         self._waiting: collections.deque[Future[Any]] = collections.deque()
-        self._send(payload)
+        self._to.write(payload)  # the first message: (builder, tokenizer), pickled
+        self._to.flush()
         threading.Thread(
             target=self._answers, name="batchgen-tokenizer-answers", daemon=True
         ).start()
@@ -217,10 +218,6 @@ class _Worker:
                 self._waiting.remove(task)
                 task.set_exception(self._died(exc))
         return task
-
-    def _send(self, payload: bytes) -> None:
-        self._to.write(payload)  # the first message: (builder, tokenizer), pickled
-        self._to.flush()
 
     def _answers(self) -> None:
         """Resolve the waiting tasks in order; at the pipe's end, fail those left."""
