@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from batchgen.errors import BatchgenError, JobStopped
+from batchgen.home import logs_dir, use_bytecode_cache
 
 EXIT_INCOMPLETE = 1  # the job ended with rows not committed
 EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
@@ -77,15 +78,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _write_crash_log() -> str:
     text = traceback.format_exc()
-    for folder in (os.environ.get("BATCHGEN_HOME"), tempfile.gettempdir()):
-        if not folder:
-            continue
+    for folder in (logs_dir(), Path(tempfile.gettempdir()) / "logs"):
         try:
-            path = (
-                Path(folder).expanduser()
-                / "logs"
-                / f"crash-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
-            )
+            path = folder / f"crash-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(" ".join(sys.argv) + "\n\n" + text, errors="backslashreplace")
             return str(path)
@@ -137,6 +132,7 @@ def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> 
 @click.group()
 def main() -> None:
     """Offline batch generation with a continuous-batching engine."""
+    use_bytecode_cache()  # before any command imports torch
 
 
 @main.command()

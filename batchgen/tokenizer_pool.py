@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
+from batchgen.home import use_bytecode_cache
 from batchgen.prompts import RowPrompt
 
 if TYPE_CHECKING:  # a worker does not import pyarrow for a type
@@ -272,6 +273,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
+    use_bytecode_cache()  # before the tokenizer's modules are imported
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -126,7 +126,7 @@ def run_paths(
     shape: Shape, rows: int, new_tokens: int, lengths: tuple[int, int], config: EngineConfig
 ) -> tuple[list[PathResult], int]:
     """-> ([engine alone, *the JOB_PATHS], vocabulary) on the same prompts, one engine."""
-    from batchgen.models.tiny import batchgen_home
+    from batchgen.home import batchgen_home
 
     tokenizer = bench_tokenizer(batchgen_home())
     texts = text_prompts(tokenizer, rows, lengths)
@@ -230,7 +230,7 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
 def write_model_folder(shape: str, folder: Path) -> Path:
     """A saved random-weight model of the shape with the 32k tokenizer (kept if it exists)."""
     from batchgen.bench.workloads import SHAPES
-    from batchgen.models.tiny import batchgen_home
+    from batchgen.home import batchgen_home
 
     if not (folder / "config.json").is_file():
         tokenizer = bench_tokenizer(batchgen_home())
@@ -244,7 +244,7 @@ def write_model_folder(shape: str, folder: Path) -> Path:
 def write_prompts(path: Path, rows: int, seed: int = 0) -> None:
     """rows text prompts of W1's lengths as a Parquet file with a `prompt` column."""
     from batchgen.bench.workloads import WORKLOADS
-    from batchgen.models.tiny import batchgen_home
+    from batchgen.home import batchgen_home
 
     tokenizer = bench_tokenizer(batchgen_home())
     texts = text_prompts(tokenizer, rows, WORKLOADS["W1"].prompt_range, seed)

@@ -42,7 +42,7 @@ from batchgen.engine.scheduler import Batch, Scheduler
 from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.stop_strings import StopWatcher
 from batchgen.engine.transfer import StepOutput, wait_tokens
-from batchgen.models import batchgen_home
+from batchgen.home import triton_cache_dir
 
 PromptLike = str | list[int] | Prompt
 
@@ -86,7 +86,7 @@ class Engine:
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         if self.device.type == "cuda":  # compiled kernels kept with batchgen's other caches
-            os.environ.setdefault("TRITON_CACHE_DIR", str(batchgen_home() / "triton"))
+            os.environ.setdefault("TRITON_CACHE_DIR", str(triton_cache_dir()))
         self.tokenizer = tokenizer
         clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)

@@ -1,5 +1,6 @@
 """Locally built Hugging Face models: tiny test fixtures and the embedded default model."""
 
+from batchgen.home import batchgen_home
 from batchgen.models.tiny import (
     ARCHS,
     CHAT_TEMPLATE,
@@ -13,7 +14,6 @@ from batchgen.models.tiny import (
     TOKENIZER_VOCAB_SIZE,
     SpecialTokens,
     TinyShape,
-    batchgen_home,
     build_tiny_model,
     build_tokenizer,
     default_model_path,

@@ -44,6 +44,8 @@ from transformers.models.qwen2.tokenization_qwen2 import (
     PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX,
 )
 
+from batchgen.home import models_dir
+
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "assets" / "corpus.txt"
 
 
@@ -105,7 +107,6 @@ DEFAULT_MODEL_SHAPE = TinyShape(
     intermediate_size=256,
     max_position_embeddings=2048,
 )
-DEFAULT_BATCHGEN_HOME = "~/.cache/batchgen"
 
 ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -272,14 +273,9 @@ def build_tiny_model(
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def batchgen_home() -> Path:
-    """$BATCHGEN_HOME, or ~/.cache/batchgen when unset or empty."""
-    return Path(os.environ.get("BATCHGEN_HOME") or DEFAULT_BATCHGEN_HOME).expanduser()
-
-
 def default_model_path() -> Path:
     """The embedded default model folder, built deterministically on first call."""
-    folder = batchgen_home() / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
+    folder = models_dir() / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
     return build_tiny_model(
         folder, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED, **asdict(DEFAULT_MODEL_SHAPE)
     )
