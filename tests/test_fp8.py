@@ -207,7 +207,7 @@ def test_fp8_probe_refuses_a_wrong_quantized_product(model_dir, monkeypatch) -> 
     config = EngineConfig(device="cpu", quantization="fp8", num_kv_blocks=32)
     with (
         pytest.warns(UserWarning, match="emulation"),
-        pytest.raises(BatchgenError, match=r"FP8 \d+->\d+ product is off by"),
+        pytest.raises(BatchgenError, match=r"FP8 \d+->\d+ product \(layer\) is off by"),
     ):
         Engine(model_dir("llama"), config)
 

@@ -1,5 +1,5 @@
-"""FP8 kernels: per-token activation quantization, the FP8 KV write and paged decode reading
-an FP8 cache. In Triton's CPU interpreter without CUDA, compiled with CUDA.
+"""FP8 kernels: per-token activation quantization, the FP8 GEMM, the FP8 KV write and paged
+decode reading an FP8 cache. In Triton's CPU interpreter without CUDA, compiled with CUDA.
 
 The interpreter's float32 -> float8 cast does not round to nearest (124.4 becomes 64), so on
 the CPU the quantization kernel is checked up to the cast (its float32 output: amax, scale,
@@ -17,11 +17,18 @@ import torch
 
 from batchgen.engine.attention.reference import write_kv_reference
 from batchgen.engine.kernels import paged_decode, write_kv
+from batchgen.engine.kernels.fp8_gemm import GemmConfig, fp8_gemm, gemm_config
 from batchgen.engine.kernels.fp8_quant import (
     launch_quantize_rows,
     quantize_rows_triton,
 )
-from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows_reference
+from batchgen.engine.quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    _fp8_product,
+    quantize_rows_reference,
+    quantize_weight,
+)
 
 DEVICES = tk.DEVICES
 
@@ -179,3 +186,72 @@ def test_silu_mul_fp8_rows_equal_the_quantize_kernel() -> None:
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(out, silu_mul_merged(gu))
+
+
+GEMM_CASES = [  # (M, N, K, config): ragged M and N, K split evenly and unevenly
+    (37, 96, 160, GemmConfig(32, 32, 32, 4, 2)),
+    (37, 96, 160, GemmConfig(16, 64, 64, 4, 2, split_k=2)),  # splits of 64 and 96 (masked)
+    (5, 128, 256, GemmConfig(16, 64, 64, 4, 2, split_k=4)),
+    (64, 64, 512, GemmConfig(64, 64, 256, 4, 3)),
+]
+
+
+def _fp8_operands(m: int, n: int, k: int, dev: torch.device):
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    x[:, :: max(1, k // 4)] *= 50.0
+    xq, xs = quantize_rows_reference(x)
+    wq, ws = quantize_weight(torch.randn(n, k) * 0.05)
+    return xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("m", "n", "k", "config"), GEMM_CASES)
+def test_fp8_gemm_is_the_scaled_product(device: str, m: int, n: int, k: int, config) -> None:
+    """Every tile shape and K split gives the float32 product of the FP8 operands and their
+    row-wise scales (exactly in float32 up to summation order; rounded once to bf16)."""
+    dev = tk._device(device)
+    xq, xs, wq, ws = _fp8_operands(m, n, k, dev)
+    want = _fp8_product(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), torch.float32)
+    got = fp8_gemm(xq, xs, wq, ws, config, out_dtype=torch.float32).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    half = fp8_gemm(xq, xs, wq, ws, config, out_dtype=torch.bfloat16).cpu()
+    assert half.dtype == torch.bfloat16
+    assert tk.rel_err(half, want) < 8e-3  # the interpreter truncates to bf16, CUDA rounds
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_gemm_config_covers_decode_batches_and_leaves_full_gpus_to_cublas(sms: int) -> None:
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (2048, 8192), (96, 160)]
+    for n, k in shapes:
+        for m in (1, 16, 17, 32, 33, 64, 100, 128, 256, 1024, 8192):
+            config = gemm_config(m, n, k, sms)
+            tiles = None if config is None else -(-m // config.block_m) * -(-n // config.block_n)
+            if config is None:  # only where cuBLAS's large tiles fill the GPU
+                assert m > 64, (m, n, k)
+                continue
+            assert config.block_m == (16 if m <= 16 else 32 if m <= 32 else 64)
+            assert tiles <= 2 * sms or m <= 64
+            assert config.split_k in (1, 2, 4)
+            if config.split_k > 1:  # equal parts, each at least MIN_SPLIT_K, within 2 per SM
+                assert k % (config.split_k * config.block_k) == 0
+                assert k // config.split_k >= 2048 and tiles * config.split_k <= 2 * sms
+        assert gemm_config(8192, n, k, sms) is None or n * 8192 <= 2 * sms * 64 * 64
+    assert gemm_config(16, 4096, 4104, 132) is None  # K not a multiple of 16
+
+
+@pytest.mark.gpu
+def test_fp8_linear_matches_its_emulation_at_every_batch_size() -> None:
+    """fp8_linear picks the Triton kernel or _scaled_mm by batch size; each batch size's
+    product is the emulation's up to bf16 rounding."""
+    from batchgen.engine.quant.fp8 import emulated_fp8_linear, fp8_linear, gpu_gemm_config
+
+    dev = torch.device("cuda")
+    wq, ws = quantize_weight(torch.randn(4096, 4096, device=dev) * 0.02)
+    paths = set()
+    for m in (1, 7, 16, 31, 64, 100, 128, 200, 256, 512, 2048):
+        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+        x[:, ::1024] *= 50.0
+        got = fp8_linear(x, wq, ws)
+        assert tk.rel_err(got, emulated_fp8_linear(x, wq, ws)) < 1e-2, m
+        paths.add(gpu_gemm_config(quantize_rows_triton(x)[0], wq) is None)
+    assert paths == {True, False}  # both GEMMs were exercised

@@ -18,9 +18,10 @@ real error on every model, so the check is split:
    scheduling, fused kernels, merged FP8 weights and per-channel scales) is compared with the
    model's own forward pass at the dtype's usual tolerance, as for a 16-bit model. CUDA graphs
    recorded the quantizing kernels, so decode steps run eagerly during the probe.
-2. The quantized product itself (on a GPU the Triton quantization kernel and
-   torch._scaled_mm) is compared layer shape by layer shape with its emulation in torch
-   (emulated_fp8_linear) on random activations with outlier columns.
+2. The quantized product itself (on a GPU the Triton quantization kernel, and each GEMM the
+   engine may pick: batchgen's Triton kernel with and without split K, torch._scaled_mm) is
+   compared layer shape by layer shape with its emulation in torch (emulated_fp8_linear) on
+   random activations with outlier columns.
 An FP8 KV cache stays FP8 in the probe (the reference rounds keys and values as it stores
 them): its rounding noise is within the tolerance on realistic weights (0.04-0.06 nats on the
 tiny Llama with initializer_range 0.02). Models whose bfloat16 outputs move by more than the
@@ -37,7 +38,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchgen.engine.quant.fp8 import Fp8Linear, emulated_fp8_linear, unquantized_activations
+from batchgen.engine.quant.fp8 import (
+    Fp8Linear,
+    emulated_fp8_linear,
+    fp8_matmul,
+    quantize_rows,
+    unquantized_activations,
+)
 
 if TYPE_CHECKING:
     from batchgen.engine.engine import Engine
@@ -72,12 +79,28 @@ def fp8_product_error(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         x = torch.randn(GEMM_ROWS, cols, generator=generator)
         x[:, :: max(1, cols // 4)] *= 50.0  # outlier columns set the per-token scales
         x = x.to(device=layer.weight.device, dtype=dtype)
-        got = layer(x) if layer.bias is None else layer(x) - layer.bias
         want = emulated_fp8_linear(x, layer.weight, layer.weight_scale)
-        error = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        if not error <= GEMM_TOLERANCE:  # NaN fails too
-            return (
-                f"its FP8 {cols}->{rows} product is off by {error:.3g} (relative) from the "
-                "FP8 emulation"
-            )
+        for path, got in _products(layer, x):
+            error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            if not error <= GEMM_TOLERANCE:  # NaN fails too
+                return (
+                    f"its FP8 {cols}->{rows} product ({path}) is off by {error:.3g} (relative) "
+                    "from the FP8 emulation"
+                )
     return None
+
+
+def _products(layer: Fp8Linear, x: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's product of x (no bias) by every GEMM the engine may run: the layer's own
+    forward (on a GPU the Triton kernel for these rows), and on a GPU also _scaled_mm (larger
+    batches) and the Triton kernel with K split (other batch sizes)."""
+    yield "layer", layer(x) if layer.bias is None else layer(x) - layer.bias
+    if not x.is_cuda:
+        return
+    from batchgen.engine.kernels.fp8_gemm import GemmConfig  # loads Triton kernels
+
+    xq, xs = quantize_rows(x)
+    weight, scale = layer.weight, layer.weight_scale
+    yield "_scaled_mm", fp8_matmul(xq, xs, weight, scale, x.dtype, None)
+    split = GemmConfig(16, 64, 128, 4, 4, split_k=2)
+    yield "Triton, split K", fp8_matmul(xq, xs, weight, scale, x.dtype, split)

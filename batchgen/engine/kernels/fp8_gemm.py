@@ -1,0 +1,165 @@
+"""FP8 GEMM with row-wise scales for the decode batch sizes: out = (xq @ w^T) * xs[:, None] * ws.
+
+torch._scaled_mm (cuBLAS) runs one 128 x 128 tile shape for every FP8 product; at decode batch
+sizes (M <= 256) a projection with N = 4096 then has 64 tiles or fewer for 132 SMs, and half
+the GPU waits. This kernel takes smaller tiles there (and can split K), so every SM gets work.
+`gemm_config` says when it is used; elsewhere fp8_linear keeps _scaled_mm.
+
+Measured on an H200 (CUDA-graph timed, us; `gemm_config`'s choice against _scaled_mm, Llama 8b
+/ 1b projection shapes): 8b down 38.8 -> 25.5 at M = 16, 37.4 -> 31.0 at M = 128, 37.6 -> 35.6 at
+M = 256; 8b o 13.1 -> 7.7 at M = 128; 1b down 22.0 -> 9.4 at M = 128; 8b q/k/v and gate/up at
+M = 256 stay on _scaled_mm. Over 48 (shape, M) points: 1009 us on _scaled_mm, 767 us with this
+choice, 710 us for the best of 12 tiles x 3 splits at each point.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # > 1: float32 partial products summed by a second kernel
+
+
+GROUP_M = 8  # programs of one column of M tiles run together (weight tiles stay in L2)
+# At or above this many output tiles per SM (and M > 64) cuBLAS's large tiles fill the GPU.
+FULL_GPU_TILES_PER_SM = 2
+MIN_SPLIT_K = 2048  # split K only into parts at least this long
+MAX_SPLIT = 4
+
+
+def gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig | None:
+    """The tiles for an [m, k] x [k, n] FP8 product on a GPU of `sms` SMs; None: _scaled_mm.
+
+    Tiles of 16 / 32 / 64 rows as M needs (M <= 16 / 32 / more) and 64 columns, so a decode
+    batch spreads over the SMs; K is split (up to 4 ways, parts of >= 2048) while the programs
+    stay under two per SM. Problems that fill the GPU with large tiles go to cuBLAS."""
+    if k % 16:
+        return None
+    if m <= 32:
+        config = GemmConfig(16 if m <= 16 else 32, 64, 128, 4, 4)
+    else:
+        config = GemmConfig(64, 64, 256, 4, 3)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    if m > 64 and tiles > FULL_GPU_TILES_PER_SM * sms:
+        return None
+    split = 1
+    while (
+        split < MAX_SPLIT
+        and tiles * split * 2 <= 2 * sms
+        and k % (split * 2 * config.block_k) == 0
+        and k // (split * 2) >= MIN_SPLIT_K
+    ):
+        split *= 2
+    return config._replace(split_k=split)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,  # [M, K] fp8, row-major
+    b_ptr,  # [N, K] fp8, row-major (the weight)
+    a_scale_ptr,  # [M] float32
+    b_scale_ptr,  # [N] float32
+    c_ptr,  # [M, N] (split 1) or [SPLIT, M, N] float32 partials
+    M,
+    N,
+    K,
+    k_per_split,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GM: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every split's range lies inside K: no mask along K
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    group = GM * tiles_n
+    first_m = pid // group * GM
+    group_m = tl.minimum(tiles_m - first_m, GM)
+    pm = first_m + (pid % group) % group_m
+    pn = (pid % group) // group_m
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    k0 = split * k_per_split
+    a_p = a_ptr + rm[:, None].to(tl.int64) * K + (k0 + rk)[None, :]
+    b_p = b_ptr + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None]
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in range(0, k_per_split, BK):
+        if EVEN_K:
+            a = tl.load(a_p, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_p, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + k + rk < K
+            a = tl.load(a_p, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_p, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_p += BK
+        b_p += BK
+    sa = tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)
+    sb = tl.load(b_scale_ptr + rn, mask=n_ok, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    c = c_ptr + split * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    config: GemmConfig,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """xq: fp8 [M, K], xs: float32 [M], weight: fp8 [N, K], scale: float32 [N] -> [M, N] in
+    out_dtype. Both operands row-major; K a multiple of 16. No host synchronization."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or not (xq.is_contiguous() and weight.is_contiguous()) or k % 16:
+        raise ValueError(
+            f"fp8_gemm needs row-major [M, K] and [N, K] with K % 16 == 0, got "
+            f"{tuple(xq.shape)} and {tuple(weight.shape)}"
+        )
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    split = config.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty split
+    dest = out if split == 1 else torch.empty(split, m, n, device=xq.device)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
+    _fp8_gemm_kernel[grid](
+        xq, weight, xs, scale, dest, m, n, k, k_per_split,
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, GM=GROUP_M,
+        EVEN_K=k_per_split * split == k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            dest, out, m * n, SPLIT=split, BLOCK=block, num_warps=4
+        )
+    return out
