@@ -213,7 +213,10 @@ def test_fp8_gemm_is_the_scaled_product(device: str, m: int, n: int, k: int, con
     xq, xs, wq, ws = _fp8_operands(m, n, k, dev)
     want = _fp8_product(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), torch.float32)
     got = fp8_gemm(xq, xs, wq, ws, config, out_dtype=torch.float32).cpu()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if dev.type == "cpu":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:  # the tensor cores round partial sums (within a K tile); cuBLAS compared below
+        assert tk.rel_err(got, want) < 1e-3
     half = fp8_gemm(xq, xs, wq, ws, config, out_dtype=torch.bfloat16).cpu()
     assert half.dtype == torch.bfloat16
     assert tk.rel_err(half, want) < 8e-3  # the interpreter truncates to bf16, CUDA rounds
@@ -230,13 +233,34 @@ def test_gemm_config_covers_decode_batches_and_leaves_full_gpus_to_cublas(sms: i
                 assert m > 64, (m, n, k)
                 continue
             assert config.block_m == (16 if m <= 16 else 32 if m <= 32 else 64)
-            assert tiles <= 2 * sms or m <= 64
+            assert tiles <= 1.5 * sms or m <= 64
             assert config.split_k in (1, 2, 4)
             if config.split_k > 1:  # equal parts, each at least MIN_SPLIT_K, within 2 per SM
                 assert k % (config.split_k * config.block_k) == 0
                 assert k // config.split_k >= 2048 and tiles * config.split_k <= 2 * sms
         assert gemm_config(8192, n, k, sms) is None or n * 8192 <= 2 * sms * 64 * 64
     assert gemm_config(16, 4096, 4104, 132) is None  # K not a multiple of 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_fp8_gemm_sums_long_rows_as_exactly_as_scaled_mm(k: int) -> None:
+    """Over a long K, FP8 tensor-core sums kept in the tensor core lose precision; the kernel
+    adds them into float32 every EXACT_ACCUMULATION_K elements, so its error against the exact
+    product is no larger than torch._scaled_mm's (both rounded to bf16)."""
+    dev = torch.device("cuda")
+    for m in (16, 64, 256):
+        xq, xs, wq, ws = _fp8_operands(m, 512, k, dev)
+        want = _fp8_product(xq.cpu().double(), xs.cpu().double(), wq.cpu().double(),
+                            ws.cpu().double(), torch.float64)  # fmt: skip
+        cublas = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :],
+                                  out_dtype=torch.bfloat16)  # fmt: skip
+        limit = 1.2 * tk.rel_err(cublas.cpu().double(), want) + 1e-4
+        configs = [gemm_config(m, 512, k, 132) or GemmConfig(64, 64, 256, 4, 3)]
+        configs.append(configs[0]._replace(split_k=2))
+        for config in configs:
+            got = fp8_gemm(xq, xs, wq, ws, config).cpu().double()
+            assert tk.rel_err(got, want) <= limit, (m, config, tk.rel_err(got, want), limit)
 
 
 @pytest.mark.gpu

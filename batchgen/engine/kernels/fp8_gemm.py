@@ -5,11 +5,11 @@ sizes (M <= 256) a projection with N = 4096 then has 64 tiles or fewer for 132 S
 the GPU waits. This kernel takes smaller tiles there (and can split K), so every SM gets work.
 `gemm_config` says when it is used; elsewhere fp8_linear keeps _scaled_mm.
 
-Measured on an H200 (CUDA-graph timed, us; `gemm_config`'s choice against _scaled_mm, Llama 8b
-/ 1b projection shapes): 8b down 38.8 -> 25.5 at M = 16, 37.4 -> 31.0 at M = 128, 37.6 -> 35.6 at
-M = 256; 8b o 13.1 -> 7.7 at M = 128; 1b down 22.0 -> 9.4 at M = 128; 8b q/k/v and gate/up at
-M = 256 stay on _scaled_mm. Over 48 (shape, M) points: 1009 us on _scaled_mm, 767 us with this
-choice, 710 us for the best of 12 tiles x 3 splits at each point.
+Measured on an H200 (CUDA-graph timed, us, exact accumulation; this choice against
+_scaled_mm): 8b down (4096 x 14336) 41.0 -> 19.9 at M = 16, 37.5 -> 21.4 at M = 64, 37.5 -> 26.9
+at M = 128; 8b o (4096 x 4096) 12.9 -> 8.0 at M = 64; 1b down (2048 x 8192) 22.2 -> 15.1 at
+M = 256. At M = 256 on the 8b shapes the kernel is no faster than cuBLAS (o 13.2 both, down 38.8
+against 37.7), so those stay on _scaled_mm.
 """
 
 from __future__ import annotations
@@ -31,8 +31,15 @@ class GemmConfig(NamedTuple):
 
 
 GROUP_M = 8  # programs of one column of M tiles run together (weight tiles stay in L2)
-# At or above this many output tiles per SM (and M > 64) cuBLAS's large tiles fill the GPU.
-FULL_GPU_TILES_PER_SM = 2
+# Above this many output tiles per SM (and M > 64) cuBLAS's large tiles fill the GPU.
+FULL_GPU_TILES_PER_SM = 1.5
+# Hopper's FP8 tensor cores add products at reduced precision when one accumulation runs
+# over a long K; the kernel moves the sum into float32 registers every this many K elements
+# (at most once per K tile). Measured on the H200 against the exact product (bf16 output, K up
+# to 14336): relative error 1.7e-3 at 256, 128, 64 or 32, as torch._scaled_mm's (2.4e-3 to
+# 3.7e-3 with its fast accumulation); 256 is the fastest of them. With one sum over all of K
+# the float32 output drifted from the exact product (the first GPU run of the tests failed).
+EXACT_ACCUMULATION_K = 256
 MIN_SPLIT_K = 2048  # split K only into parts at least this long
 MAX_SPLIT = 4
 
@@ -42,7 +49,8 @@ def gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig | None:
 
     Tiles of 16 / 32 / 64 rows as M needs (M <= 16 / 32 / more) and 64 columns, so a decode
     batch spreads over the SMs; K is split (up to 4 ways, parts of >= 2048) while the programs
-    stay under two per SM. Problems that fill the GPU with large tiles go to cuBLAS."""
+    stay under two per SM. Problems that fill the GPU with large tiles (more than 1.5 tiles of
+    64 x 64 per SM, M > 64) go to cuBLAS."""
     if k % 16:
         return None
     if m <= 32:
@@ -79,6 +87,7 @@ def _fp8_gemm_kernel(
     BK: tl.constexpr,
     GM: tl.constexpr,
     EVEN_K: tl.constexpr,  # every split's range lies inside K: no mask along K
+    EXACT_K: tl.constexpr,  # products summed at reduced precision before a float32 add
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,7 +115,7 @@ def _fp8_gemm_kernel(
             k_ok = k0 + k + rk < K
             a = tl.load(a_p, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_p, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=EXACT_K)
         a_p += BK
         b_p += BK
     sa = tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)
@@ -154,7 +163,7 @@ def fp8_gemm(
     _fp8_gemm_kernel[grid](
         xq, weight, xs, scale, dest, m, n, k, k_per_split,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GM=GROUP_M,
-        EVEN_K=k_per_split * split == k,
+        EVEN_K=k_per_split * split == k, EXACT_K=min(EXACT_ACCUMULATION_K, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
