@@ -34,7 +34,8 @@ DEVICES = tk.DEVICES
 
 
 def _rows() -> torch.Tensor:
-    x = torch.randn(5, 4096 + 96, dtype=torch.bfloat16)  # wider than one block: two loops
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4096 + 96, generator=generator).bfloat16()  # two loops of one block
     x[1] *= 300.0  # rows of very different ranges
     x[2] = 0.0  # an all-zero row stays zero
     x[3, 7] = -5000.0  # an outlier sets its row's scale
@@ -52,8 +53,13 @@ def test_quantize_rows_kernel_before_the_cast(device: str) -> None:
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
     assert abs(scaled[3, 7] + FP8_MAX) < 1e-3 and (scaled[2] == 0).all()
     assert scaled.abs().max() <= FP8_MAX
-    cast = scaled.cpu().to(FP8_DTYPE).float()
-    assert (cast == q_ref.float()).float().mean() > 0.999  # rare: a division one ulp off
+    cast = scaled.cpu().to(FP8_DTYPE)
+    # rare: a division one ulp off. On CUDA Triton's division is approximate: one FP8 step at
+    # most, on 0.19% of these values in the H200 run (test_quantize_rows_kernel_casts_like_torch
+    # holds the GPU to its own torch reference)
+    codes = (cast.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    exact = 0.999 if dev.type == "cpu" else 0.99
+    assert codes.max() <= 1 and (codes == 0).float().mean() > exact
 
 
 @pytest.mark.gpu
