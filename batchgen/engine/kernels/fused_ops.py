@@ -128,12 +128,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _silu_mul_merged_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols)
+
+
+@triton.jit
+def _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols):
+    """silu(gate) * up at `cols` of one row of gate_up, stored in out's row in its dtype;
+    -> those stored values in float32 (0 past n_cols)."""
     mask = cols < n_cols
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # HF rounds silu's result
     out = (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    return out.to(tl.float32)
 
 
 def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
@@ -180,14 +188,10 @@ def _silu_mul_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # HF rounds silu's result
-        y = (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
-        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        y = _silu_mul_cols(
+            gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, start + tl.arange(0, BLOCK)
+        )
+        amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     tl.debug_barrier()  # this program's stores above are what it reads below
     for start in range(0, n_cols, BLOCK):
