@@ -88,3 +88,16 @@ def test_invariant_check_catches_corruption() -> None:
     bm._free.append(r.block_table[0])  # a block both free and owned
     with pytest.raises(AssertionError):
         bm.check_invariants()
+
+
+def test_released_check_catches_a_held_or_lost_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    r = make_request(0, prompt_len=9)
+    bm.allocate(r, 9)
+    with pytest.raises(AssertionError, match="held"):
+        bm.check_released()  # a request still holds blocks
+    bm.free(r)
+    bm.check_released()
+    bm._free.pop()  # a block neither free, pooled nor held
+    with pytest.raises(AssertionError, match="lost"):
+        bm.check_released()

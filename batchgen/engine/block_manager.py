@@ -123,6 +123,13 @@ class BlockManager:
             request.block_hashes = block_hashes(request.prompt_token_ids, self.block_size)
         return request.block_hashes
 
+    def check_released(self) -> None:
+        """Raise AssertionError unless every block is free or pooled (no request holds one):
+        what must hold when all requests have ended, checked in O(1) (check_invariants walks
+        every block: ~0.1 s for 252k blocks, too slow for the end of every generate call)."""
+        assert not self._refs and not self._holders, "blocks are held after every request ended"
+        assert len(self._free) + self.cache.num_pooled == self.num_blocks, "a block is lost"
+
     def check_invariants(self) -> None:
         """Raise AssertionError if bookkeeping is inconsistent (tests call this)."""
         free = set(self._free)

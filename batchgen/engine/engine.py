@@ -406,7 +406,7 @@ class Engine:
         self._held.clear()
         self._compiling.clear()
         self._live.clear()
-        self.blocks.check_invariants()
+        self.blocks.check_released()
 
     # -- internals ---------------------------------------------------------------------------
 
