@@ -197,3 +197,25 @@ def test_the_start_up_probe_leaves_no_trace(model_dir) -> None:
     )
     assert engine.cache_stats == CacheStats()
     assert engine.blocks.cache.num_pooled == 0
+
+
+def test_the_engine_hides_its_start_up_heap_from_the_collector_until_closed(model_dir) -> None:
+    """Full collections during generation skip what start-up made (the model, torch's and
+    transformers' objects); close() hands it back. Garbage made later is still collected."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    engine = Engine(model_dir("llama"), EngineConfig(device="cpu"))
+    try:
+        assert gc.get_freeze_count() > 1000
+        assert all(o is not engine.model for o in gc.get_objects(2))  # frozen: not in gen 2
+        cycle = [SamplingParams()]
+        cycle.append(cycle)
+        alive = weakref.ref(cycle[0])
+        del cycle
+        gc.collect()
+        assert alive() is None  # cyclic garbage made after start-up is still collected
+    finally:
+        engine.close()
+    assert gc.get_freeze_count() == 0
