@@ -59,10 +59,11 @@ def use_bytecode_cache() -> bool:
         return False
     if sys.pycache_prefix is not None:
         return sys.pycache_prefix == str(bytecode_cache_dir())
-    if not sys.dont_write_bytecode and _bytecode_writable(PROBE_PACKAGE):
-        return False  # Python writes it next to the sources itself
-    if _bytecode_kept(PROBE_PACKAGE):
-        return False
+    origin = _origin(PROBE_PACKAGE)
+    if origin is None or os.path.exists(importlib.util.cache_from_source(origin)):
+        return False  # nothing to gain, or Python finds the bytecode beside the source
+    if not sys.dont_write_bytecode and os.access(os.path.dirname(origin), os.W_OK):
+        return False  # Python writes it beside the sources itself
     folder = bytecode_cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -71,19 +72,6 @@ def use_bytecode_cache() -> bool:
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = False
     return True
-
-
-def _bytecode_kept(package: str) -> bool:
-    """Whether the package's compiled bytecode sits next to its source."""
-    origin = _origin(package)
-    if origin is None:
-        return True  # nothing to gain
-    return os.path.exists(importlib.util.cache_from_source(origin))
-
-
-def _bytecode_writable(package: str) -> bool:
-    origin = _origin(package)
-    return origin is None or os.access(os.path.dirname(origin), os.W_OK)
 
 
 def _origin(package: str) -> str | None:

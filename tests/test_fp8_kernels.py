@@ -273,7 +273,8 @@ def test_fp8_gemm_sums_long_rows_as_exactly_as_scaled_mm(k: int) -> None:
 def test_fp8_linear_matches_its_emulation_at_every_batch_size() -> None:
     """fp8_linear picks the Triton kernel or _scaled_mm by batch size; each batch size's
     product is the emulation's up to bf16 rounding."""
-    from batchgen.engine.quant.fp8 import emulated_fp8_linear, fp8_linear, gpu_gemm_config
+    from batchgen.engine.kernels.fp8_gemm import gpu_gemm_config
+    from batchgen.engine.quant.fp8 import emulated_fp8_linear, fp8_linear
 
     dev = torch.device("cuda")
     wq, ws = quantize_weight(torch.randn(4096, 4096, device=dev) * 0.02)

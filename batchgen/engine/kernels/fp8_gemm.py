@@ -14,6 +14,7 @@ against 37.7), so those stay on _scaled_mm.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -172,3 +173,36 @@ def fp8_gemm(
             dest, out, m * n, SPLIT=split, BLOCK=block, num_warps=4
         )
     return out
+
+
+def gpu_gemm_config(xq: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The Triton kernel's tiles for this product on its GPU, or None for _scaled_mm."""
+    if not (xq.is_contiguous() and weight.is_contiguous()):
+        return None
+    return gemm_config(xq.shape[0], *weight.shape, _sm_count(xq.device))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_matmul(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    config: GemmConfig | None,
+) -> torch.Tensor:
+    """fp8 [M, K] x scale [M] times fp8 [N, K] x scale [N] -> [M, N] in dtype, on a GPU: the
+    Triton kernel with config's tiles, or torch._scaled_mm when config is None."""
+    if config is not None:
+        return fp8_gemm(xq, xs, weight, scale, config, out_dtype=dtype)
+    return torch._scaled_mm(
+        xq,
+        weight.t(),  # [K, N], column-major: weight is [N, K] row-major
+        scale_a=xs[:, None],  # [M, 1]
+        scale_b=scale[None, :],  # [1, N]
+        out_dtype=torch.bfloat16,  # what row-wise scaling produces
+    ).to(dtype)

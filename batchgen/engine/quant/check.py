@@ -41,7 +41,6 @@ import torch
 from batchgen.engine.quant.fp8 import (
     Fp8Linear,
     emulated_fp8_linear,
-    fp8_matmul,
     quantize_rows,
     unquantized_activations,
 )
@@ -97,7 +96,7 @@ def _products(layer: Fp8Linear, x: torch.Tensor) -> Iterator[tuple[str, torch.Te
     yield "layer", layer(x) if layer.bias is None else layer(x) - layer.bias
     if not x.is_cuda:
         return
-    from batchgen.engine.kernels.fp8_gemm import GemmConfig  # loads Triton kernels
+    from batchgen.engine.kernels.fp8_gemm import GemmConfig, fp8_matmul  # Triton kernels
 
     xq, xs = quantize_rows(x)
     weight, scale = layer.weight, layer.weight_scale

@@ -15,16 +15,11 @@ quantized there).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from batchgen.engine.kernels.fp8_gemm import GemmConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -118,49 +113,14 @@ def fp8_linear(
         out = x2.new_empty(0, weight.shape[0])
     elif x.is_cuda:
         xq, xs = _rows_of(x, x2)
+        from batchgen.engine.kernels.fp8_gemm import fp8_matmul, gpu_gemm_config
+
         out = fp8_matmul(xq, xs, weight, scale, x.dtype, gpu_gemm_config(xq, weight))
     else:
         out = _fp8_product(*_rows_of(x, x2), weight, scale, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
-
-
-def gpu_gemm_config(xq: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The Triton kernel's tiles for this product on its GPU, or None for _scaled_mm."""
-    from batchgen.engine.kernels.fp8_gemm import gemm_config
-
-    if not (xq.is_contiguous() and weight.is_contiguous()):
-        return None
-    return gemm_config(xq.shape[0], *weight.shape, _sm_count(xq.device))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fp8_matmul(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    dtype: torch.dtype,
-    config: GemmConfig | None,
-) -> torch.Tensor:
-    """fp8 [M, K] x scale [M] times fp8 [N, K] x scale [N] -> [M, N] in dtype, on a GPU: the
-    Triton kernel with config's tiles, or torch._scaled_mm when config is None."""
-    if config is not None:
-        from batchgen.engine.kernels.fp8_gemm import fp8_gemm
-
-        return fp8_gemm(xq, xs, weight, scale, config, out_dtype=dtype)
-    return torch._scaled_mm(
-        xq,
-        weight.t(),  # [K, N], column-major: weight is [N, K] row-major
-        scale_a=xs[:, None],  # [M, 1]
-        scale_b=scale[None, :],  # [1, N]
-        out_dtype=torch.bfloat16,  # what row-wise scaling produces
-    ).to(dtype)
 
 
 def emulated_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
