@@ -1,5 +1,6 @@
 """FP8 kernels: per-token activation quantization, the FP8 GEMM, the FP8 KV write and paged
-decode reading an FP8 cache. In Triton's CPU interpreter without CUDA, compiled with CUDA.
+decode and prefill reading an FP8 cache. In Triton's CPU interpreter without CUDA, compiled
+with CUDA.
 
 The interpreter's float32 -> float8 cast does not round to nearest (124.4 becomes 64), so on
 the CPU the quantization kernel is checked up to the cast (its float32 output: amax, scale,
@@ -110,6 +111,29 @@ def test_decode_reads_fp8_cache(device: str, num_splits: int) -> None:
                        num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
     ref = tk.reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens)  # float32 from fp8
     assert tk.rel_err(out, ref) < tk.BF16_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_fp8_cache_keeps_large_queries(device: str) -> None:
+    """FP8 cache tiles meet q as fp16 operands: q, scaled before its cast, must not overflow
+    where it is beyond fp16's 65504 (the keys there are 0: an overflow would give inf * 0)."""
+    dev = tk._device(device)
+    ctx_lens = [40, 17]
+    cache, tables = tk.paged_setup(ctx_lens, kv_heads=1, head_dim=128, dtype=FP8_DTYPE, device=dev)
+    cache.keys[0][..., :8] = 0
+    q = tk.strided_q(len(ctx_lens), 4, 128, torch.bfloat16, dev)
+    q[..., :8] = 2e5
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    out = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 128**-0.5, block_n=16)
+    ref = tk.reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens)
+    assert out.isfinite().all() and tk.rel_err(out, ref) < tk.BF16_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_reads_fp8_cache(device: str, window: int | None) -> None:
+    tk._check_prefill(tk._device(device), torch.bfloat16, (4, 2, 64), window, block_m=16,
+                      cache_dtype=FP8_DTYPE)  # fmt: skip
 
 
 def _assert_rows_of(out: torch.Tensor, scaled: torch.Tensor, s: torch.Tensor) -> None:

@@ -299,12 +299,14 @@ def _check_prefill(
     window: int | None,
     block_m: int,
     features: dict[str, Any] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """A decode row first (skipped via first_seq=1), then chunks with and without prior context."""
+    """A decode row first (skipped via first_seq=1), then chunks with and without prior context.
+    dtype: q's and, unless cache_dtype is given, the cache's."""
     num_heads, kv_heads, head_dim = heads
     features = {"window": window, **(features or {})}
     q_lens, ctx_lens = [1, 5, 16, 20, 33, 1], [9, 5, 16, 36, 50, 3]
-    cache, tables = paged_setup(ctx_lens, kv_heads, head_dim, dtype, dev)
+    cache, tables = paged_setup(ctx_lens, kv_heads, head_dim, cache_dtype or dtype, dev)
     q = strided_q(sum(q_lens), num_heads, head_dim, dtype, dev)
     out = poisoned(q)
     cu = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=dev)

@@ -28,9 +28,9 @@ class TritonTuning:
     decode_max_splits: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
-    # an 8-bit (FP8) cache: measured on an H200 at batch 256, contexts 300-500 / 900-1100,
-    # 32 / 64 keys with 2 / 4 warps took 117.5 / 130.1 us and 260.6 / 301.0 us per layer
-    decode_8bit_block_n: int = 32
+    # an 8-bit (FP8) cache, fp16 operands: on an H200 at batch 256 (8b heads), 64 / 32 keys
+    # with 2 warps took 90.5 / 94.0 us per layer at contexts 300-500, 142.6 / 151 us at 600-800
+    decode_8bit_block_n: int = 64
     decode_8bit_num_warps: int = 2
     prefill_block_m: int = 64  # queries per program
     prefill_small_block_m: int = 16  # for steps whose prefill chunks are all this short

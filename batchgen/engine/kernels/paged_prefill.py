@@ -17,11 +17,14 @@ from batchgen.engine.kernels.paged_decode import (
     LOG2E,
     NO_WINDOW,
     add_sink,
+    cache_consts,
     check_paged_args,
     dot_precision,
+    kv_operands,
     kv_row_offsets,
     online_softmax_step,
     output_buffer,
+    query_operand,
     scores_log2,
 )
 
@@ -76,6 +79,7 @@ def _prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
+    CACHE_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -93,6 +97,7 @@ def _prefill_kernel(
     io_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
     tok = (q_begin + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=io_mask)
+    q, qk_scale = query_operand(q, scale_log2, CACHE_FP8)
     q_pos = ctx - q_len + rows  # [BLOCK_M] position of each query
     hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the last row are never seen
     first = ctx - q_len + m0  # nor before the first row's window or chunk
@@ -112,7 +117,8 @@ def _prefill_kernel(
         kv_mask = (pos < hi)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + row_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + row_off, mask=kv_mask, other=0.0)
-        s = scores_log2(q, k, scale_log2, softcap_log2, HAS_SOFTCAP, PRECISION)
+        k, v = kv_operands(k, v, CACHE_FP8)
+        s = scores_log2(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)
         delta = q_pos[:, None] - pos[None, :]  # [BLOCK_M, BLOCK_N]; seen: 0 <= delta < window
         seen = (delta >= 0) & (delta < window) & (pos[None, :] >= q_chunk[:, None])
         s = tl.where(seen & (pos < hi)[None, :], s, float("-inf"))
@@ -178,6 +184,7 @@ def paged_prefill(
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         PRECISION=dot_precision(q.dtype),
+        **cache_consts(k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
