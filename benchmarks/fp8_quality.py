@@ -5,12 +5,16 @@ activation outlier channels in the residual stream, logits of a trained model's 
 the same random token sequences go through
 the bf16 model, the FP8 model (Linear layers quantized as runtime.quantization='fp8' does) and
 the FP8 model with keys and values rounded as an FP8 KV cache stores them (the reference the
-engine's model check uses). KL(bf16 || fp8) is per position, in nats. Needs a CUDA GPU.
+engine's model check uses). KL(bf16 || fp8) is per position, in nats. The first row of each
+statistic is bf16 itself against a float32 copy of the same weights (KL(fp32 || bf16)): how far
+16-bit arithmetic alone moves this model, the scale the FP8 rows are read against. Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -87,11 +91,16 @@ def run(shape: str, stats: str, sequences: int, length: int, seed: int) -> list[
         with attention_scope(model, "sdpa"):
             trained_like(model, seed, batches[0])
     ref = logprobs(model, batches, "sdpa")
+    exact = copy.deepcopy(model).float()
+    agree, kl = compare(logprobs(exact, batches, "sdpa"), ref)
+    del exact
+    torch.cuda.empty_cache()
+    rows = [f"| {shape} | {stats} | bf16 against float32 | {agree:.2%} | {kl:.4f} |"]
+    print(rows[-1], flush=True)
     quantize_model(model)
-    rows = []
     for label, attn in (("fp8 weights", "sdpa"), ("fp8 weights + fp8 KV", fp8_kv_reference())):
         agree, kl = compare(ref, logprobs(model, batches, attn))
-        rows.append(f"| {shape} | {stats} | {label} | {agree:.2%} | {kl:.4f} |")
+        rows.append(f"| {shape} | {stats} | {label} against bf16 | {agree:.2%} | {kl:.4f} |")
         print(rows[-1], flush=True)
     del model, ref
     torch.cuda.empty_cache()
@@ -105,7 +114,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rows = ["| shape | weights | FP8 | top-1 agreement | mean KL (nats) |", "|---|---|---|---|---|"]
+    rows = [
+        "| shape | weights | model | top-1 agreement | mean KL (nats) |",
+        "|---|---|---|---|---|",
+    ]
     for stats in ("random", "trained-like"):
         rows += run(args.shape, stats, args.sequences, args.length, args.seed)
     print("\n".join(rows))
