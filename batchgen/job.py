@@ -21,7 +21,12 @@ from tqdm import tqdm
 
 from batchgen.engine import NOT_READY, Engine, Prompt
 from batchgen.engine.attention.select import check_backend
-from batchgen.engine.model_loader import resolve_device, resolve_dtype, resolve_model_path
+from batchgen.engine.model_loader import (
+    hf_progress_bars,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
@@ -167,7 +172,8 @@ def run_job(
         startup = {} if process_s is None else {"process": process_s}
         startup["checks"] = round(time.perf_counter() - started, 3)
         if engine is None:
-            engine = Engine(spec.model.path, spec.engine)
+            with hf_progress_bars(shown=not spec.pipeline.quiet):
+                engine = Engine(spec.model.path, spec.engine)
             startup |= engine.startup_s
         if engine.tokenizer is None:
             raise BatchgenError(

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from batchgen import distributed
 from batchgen.distributed import Group
 from batchgen.engine import Engine
-from batchgen.engine.model_loader import resolve_model_path
+from batchgen.engine.model_loader import hf_progress_bars, resolve_model_path
 from batchgen.errors import BatchgenError
 from batchgen.heartbeat import publish_first_beat
 from batchgen.io import InputSource, OutputLayout
@@ -91,7 +91,8 @@ def start_rank(
     loaded: list[Engine] = []
 
     def load() -> dict[str, Any]:
-        engine = Engine(mine.model.path, mine.engine)
+        with hf_progress_bars(shown=not mine.pipeline.quiet):
+            engine = Engine(mine.model.path, mine.engine)
         loaded.append(engine)
         if engine.tokenizer is None:
             raise BatchgenError(

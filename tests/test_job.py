@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from transformers.utils import logging as hf_logging
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.job import run_job
@@ -45,7 +46,8 @@ def spec_for(model: Path, inp: Path, out: Path, *sets: str):
 PROMPTS = [f"Tell me about item {i} and the weather." for i in range(12)]
 
 
-def test_jsonl_job_matches_the_engine(model_dir, tmp_path: Path) -> None:
+def test_jsonl_job_matches_the_engine(model_dir, tmp_path: Path, capfd) -> None:
+    """...and a quiet job prints no progress bar, transformers' weight loading included."""
     model = model_dir("llama")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "k": i} for i, p in enumerate(PROMPTS)])
     spec = spec_for(
@@ -58,8 +60,11 @@ def test_jsonl_job_matches_the_engine(model_dir, tmp_path: Path) -> None:
         "output.include_token_ids=true",
         "output.shard_rows=5",
     )
+    bars = hf_logging.is_progress_bar_enabled()
     result = run_job(spec)
     assert result.complete and not result.interrupted
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() == bars  # the process's setting is left as it was
     rows = read_rows(tmp_path / "out")
     assert [r["index"] for r in rows] == list(range(12))
     assert [r["id"] for r in rows] == [str(i) for i in range(12)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -13,6 +15,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
 )
+from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
@@ -149,6 +152,20 @@ def load_model(
             f"model '{model}' does not fit on {device} in "
             f"{dtype} ({free} free): use a smaller model, another dtype or a larger device"
         ) from exc
+
+
+@contextmanager
+def hf_progress_bars(shown: bool) -> Iterator[None]:
+    """transformers' own progress bars (loading weights) shown or not inside; the process's
+    setting is restored after (a quiet job prints none)."""
+    before = hf_logging.is_progress_bar_enabled()
+    if before and not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if before and not shown:
+            hf_logging.enable_progress_bar()
 
 
 def _refuse_unsupported_class(source: str, exc: BaseException) -> None:
