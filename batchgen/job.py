@@ -141,6 +141,12 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     return out
 
 
+def load_engine(spec: JobSpec) -> Engine:
+    """The job's engine; transformers' own progress bars follow runtime.quiet while it loads."""
+    with hf_progress_bars(shown=not spec.pipeline.quiet):
+        return Engine(spec.model.path, spec.engine)
+
+
 def run_job(
     spec: JobSpec,
     *,
@@ -172,8 +178,7 @@ def run_job(
         startup = {} if process_s is None else {"process": process_s}
         startup["checks"] = round(time.perf_counter() - started, 3)
         if engine is None:
-            with hf_progress_bars(shown=not spec.pipeline.quiet):
-                engine = Engine(spec.model.path, spec.engine)
+            engine = load_engine(spec)
             startup |= engine.startup_s
         if engine.tokenizer is None:
             raise BatchgenError(

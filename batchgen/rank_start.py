@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from batchgen import distributed
 from batchgen.distributed import Group
 from batchgen.engine import Engine
-from batchgen.engine.model_loader import hf_progress_bars, resolve_model_path
+from batchgen.engine.model_loader import resolve_model_path
 from batchgen.errors import BatchgenError
 from batchgen.heartbeat import publish_first_beat
 from batchgen.io import InputSource, OutputLayout
@@ -37,6 +37,7 @@ from batchgen.job import (
     check_job,
     check_resumable,
     claim,
+    load_engine,
     previous_run,
     result_settings,
     verify_rows,
@@ -91,8 +92,7 @@ def start_rank(
     loaded: list[Engine] = []
 
     def load() -> dict[str, Any]:
-        with hf_progress_bars(shown=not mine.pipeline.quiet):
-            engine = Engine(mine.model.path, mine.engine)
+        engine = load_engine(mine)
         loaded.append(engine)
         if engine.tokenizer is None:
             raise BatchgenError(
