@@ -415,15 +415,17 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
     gate, up = torch.randn(2, 5, 96, device=device, dtype=dtype).unbind(0)
     ref = torch.nn.functional.silu(gate) * up
     assert _rel(silu_mul(gate, up), ref) <= tol
-    q = torch.randn(1, 5, 4, 32, device=device, dtype=dtype).transpose(1, 2)  # [1, H, T, D]
-    k = torch.randn(1, 5, 2, 32, device=device, dtype=dtype).transpose(1, 2)
     angles = torch.randn(1, 5, 16, device=device)
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
-    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
-    assert _rel(rope(q, cos, sin), q_ref) <= tol and _rel(rope(k, cos, sin), k_ref) <= tol
-    q_out, k_out = rope_qk(q, k, cos, sin)  # one launch for both
-    assert torch.equal(q_out, rope(q, cos, sin)) and torch.equal(k_out, rope(k, cos, sin))
+    for q_heads, k_heads in ((4, 2), (19, 9)):  # programs take 8 heads: partial and full blocks
+        q = torch.randn(1, 5, q_heads, 32, device=device, dtype=dtype).transpose(1, 2)
+        k = torch.randn(1, 5, k_heads, 32, device=device, dtype=dtype).transpose(1, 2)
+        q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)  # [1, H, T, D]
+        assert _rel(rope(q, cos, sin), q_ref) <= tol and _rel(rope(k, cos, sin), k_ref) <= tol
+        q_out, k_out = rope_qk(q, k, cos, sin)  # one launch for both
+        assert torch.equal(q_out, rope(q, cos, sin)) and torch.equal(k_out, rope(k, cos, sin))
+        assert _rel(q_out, q_ref) <= tol and _rel(k_out, k_ref) <= tol
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
