@@ -294,6 +294,28 @@ def test_fp8_gemm_sums_long_rows_as_exactly_as_scaled_mm(k: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_scaled_mm_sums_stay_far_below_the_fp8_rounding(k: int) -> None:
+    """Large products go to torch._scaled_mm with its tensor-core sums over all of K
+    (SCALED_MM_FAST_ACCUMULATION): their error against the exact product of the FP8 values
+    stays within 5e-3, under a quarter of what rounding the weights alone to FP8 costs."""
+    from batchgen.engine.kernels.fp8_gemm import fp8_matmul, gpu_gemm_config
+
+    dev = torch.device("cuda")
+    xq, xs, wq, ws = _fp8_operands(2048, 1024, k, dev)
+    assert gpu_gemm_config(xq, wq) is None  # the _scaled_mm path
+    got = fp8_matmul(xq, xs, wq, ws, torch.bfloat16, None).cpu().double()
+    want = _fp8_product(xq.cpu().double(), xs.cpu().double(), wq.cpu().double(),
+                        ws.cpu().double(), torch.float64)  # fmt: skip
+    assert tk.rel_err(got, want) < 5e-3
+    x = xq.cpu().double() * xs.cpu().double()[:, None]  # the 16-bit-exact operands' product
+    w = torch.randn(1024, k, dtype=torch.float64) * 0.05
+    rounding = tk.rel_err(_fp8_product(xq.cpu().double(), xs.cpu().double(),
+                                       *quantize_weight(w), torch.float64), x @ w.t())  # fmt: skip
+    assert rounding > 4 * 5e-3
+
+
+@pytest.mark.gpu
 def test_fp8_linear_matches_its_emulation_at_every_batch_size() -> None:
     """fp8_linear picks the Triton kernel or _scaled_mm by batch size; each batch size's
     product is the emulation's up to bf16 rounding."""
