@@ -1,8 +1,11 @@
-"""Kernel-level profile of steady decode steps: W1's 256 requests on a random-weight shape,
-40 steps in (every prompt prefilled, contexts ~360-400 tokens), 10 graphed decode steps under
-the torch profiler; GPU time per kernel name, per step. Needs a CUDA GPU.
+"""Kernel-level profile of W1's steps on a random-weight shape, 256 requests. Decode (the
+default): 40 steps in (every prompt prefilled, contexts ~360-400 tokens), 10 graphed decode
+steps under the torch profiler, GPU time per kernel name, per step. Prefill (`--phase
+prefill`): the eager steps from the first one until every prompt is prefilled, GPU time per
+kernel name over all of them. Needs a CUDA GPU.
 
     PYTHONPATH=$PWD python benchmarks/decode_profile.py --shape 8b --precisions bf16,fp8,fp8-kv
+    PYTHONPATH=$PWD python benchmarks/decode_profile.py --shape 8b --phase prefill
 
 FP8 precisions quantize the model in place after the 16-bit one (as `batchgen bench` does).
 """
@@ -25,32 +28,49 @@ from batchgen.engine.request import Prompt
 PRECISIONS = ("bf16", "fp8", "fp8-kv")
 
 
-def profile_steps(engine: Engine, prompts: list[list[int]], rows: int) -> None:
+def profile_steps(engine: Engine, prompts: list[list[int]], rows: int, phase: str) -> None:
     params = SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.0)
     list(engine.generate(prompts[:64], params.replace(max_new_tokens=8), decode=False))
     for i, p in enumerate(prompts):
         engine.add_request(Prompt(p, f"r{i}"), params, f"r{i}")
-    for _ in range(40):  # prefill and the first decode steps
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
-    print(f"  20 decode steps: {(time.perf_counter() - start) * 50:.2f} ms per step (wall)")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
+    if phase == "prefill":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps = 0
+            while engine.scheduler.waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
+                engine.step()
+                steps += 1
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        print(f"  {steps} steps until every prompt is prefilled: {wall:.3f} s (wall, profiled)")
+    else:
+        for _ in range(40):  # prefill and the first decode steps
             engine.step()
         torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+        print(f"  20 decode steps: {(time.perf_counter() - start) * 50:.2f} ms per step (wall)")
+        steps = 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
     kernels = sorted(
         (e for e in prof.key_averages() if e.device_time_total > 0),
         key=lambda e: -e.device_time_total,
     )
-    total = sum(e.device_time_total for e in kernels) / 10 / 1e3
-    print(f"  kernels: {total:.2f} ms per step")
-    print("  | ms per step | launches per step | kernel |\n  |---|---|---|")
+    per = 1 if phase == "prefill" else steps
+    unit = "ms in all" if phase == "prefill" else "ms per step"
+    total = sum(e.device_time_total for e in kernels) / per / 1e3
+    print(f"  kernels: {total:.2f} {unit}")
+    print(f"  | {unit} | launches | kernel |\n  |---|---|---|")
     for e in kernels[:rows]:
-        print(f"  | {e.device_time_total / 10 / 1e3:.3f} | {e.count // 10} | {e.key[:80]} |")
+        print(f"  | {e.device_time_total / per / 1e3:.3f} | {e.count // per} | {e.key[:80]} |")
     while engine.has_unfinished():
         engine.step()
 
@@ -60,6 +80,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--precisions", default="bf16", help="comma-separated: bf16,fp8,fp8-kv")
     parser.add_argument("--rows", type=int, default=12, help="kernels listed per precision")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     args = parser.parse_args()
     chosen = args.precisions.split(",")
     if not torch.cuda.is_available() or not set(chosen) <= set(PRECISIONS):
@@ -73,7 +94,7 @@ def main() -> None:
         print(f"== {args.shape} {name}")
         config = EngineConfig(kv_cache_dtype="fp8" if name == "fp8-kv" else "auto")
         engine = Engine(model, config)
-        profile_steps(engine, prompts, args.rows)
+        profile_steps(engine, prompts, args.rows, args.phase)
         engine.close()
         del engine
         gc.collect()
