@@ -218,6 +218,61 @@ def test_silu_mul_fp8_rows_equal_the_quantize_kernel() -> None:
     assert torch.equal(out, silu_mul_merged(gu))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_fp8_rows_without_the_16_bit_result(device: str, monkeypatch) -> None:
+    """silu_mul_fp8 gives the FP8 rows silu_mul_merged(quantize=True) attaches, bit for bit,
+    without writing the 16-bit result: a row held whole in registers, or (rows longer than
+    ROW_IN_REGISTERS) computed again in a second pass."""
+    from batchgen.engine.kernels import fused_ops
+    from batchgen.engine.kernels.fused_ops import silu_mul_merged
+    from batchgen.engine.quant.fp8 import _FP8_ROWS
+
+    gu = _gate_up().to(tk._device(device))[None]
+    q_ref, s_ref = getattr(silu_mul_merged(gu, quantize=True), _FP8_ROWS)
+    for longest in (fused_ops.ROW_IN_REGISTERS, 1024):  # whole rows, and two passes
+        monkeypatch.setattr(fused_ops, "ROW_IN_REGISTERS", longest)
+        q, s = fused_ops.silu_mul_fp8(gu)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_fp8_mlp_feeds_its_rows_to_the_down_projection(device: str, monkeypatch) -> None:
+    """The fused MLP of an FP8 model multiplies SiLU-and-mul's FP8 rows by the down
+    projection directly: the same output as the down projection taking the 16-bit result
+    with those rows attached, and no 16-bit result is made. While the model check runs
+    16-bit activations, the down projection takes the 16-bit result."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from batchgen.engine.fusion import Fusion
+    from batchgen.engine.kernels import fused_ops
+    from batchgen.engine.quant.fp8 import Fp8Linear, unquantized_activations
+
+    dev = tk._device(device)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160, mlp_bias=True))
+    mlp = mlp.to(dev, torch.bfloat16)
+    for name in ("gate_proj", "up_proj", "down_proj"):  # after .to(): it would cast FP8 too
+        setattr(mlp, name, Fp8Linear.from_linear(getattr(mlp, name)))
+    assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(1, 7, 64, device=dev, dtype=torch.bfloat16)
+    Fusion(torch.nn.Sequential(mlp)).on()
+    seen, made = [], []
+    own_fp8, own_16bit = fused_ops.silu_mul_fp8, fused_ops.silu_mul_merged
+    monkeypatch.setattr(fused_ops, "silu_mul_fp8", lambda gu: seen.append(gu) or own_fp8(gu))
+    monkeypatch.setattr(
+        fused_ops, "silu_mul_merged", lambda gu, **k: made.append(gu) or own_16bit(gu, **k)
+    )
+    got = mlp(x)
+    assert len(seen) == 1 and not made  # no 16-bit SiLU-and-mul result
+    expected = mlp.down_proj(own_16bit(seen[0], quantize=True))  # the module's way, same rows
+    assert got.shape == expected.shape and torch.equal(got, expected)
+    with unquantized_activations():
+        got = mlp(x)
+        assert len(made) == 1 and torch.equal(got, mlp.down_proj(own_16bit(made[0])))
+
+
 GEMM_CASES = [  # (M, N, K, config): ragged M and N, K split evenly and unevenly
     (37, 96, 160, GemmConfig(32, 32, 32, 4, 2)),
     (37, 96, 160, GemmConfig(16, 64, 64, 4, 2, split_k=2)),  # splits of 64 and 96 (masked)

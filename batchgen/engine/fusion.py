@@ -30,7 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.attention.hf_adapter import batchgen_attention, in_step
-from batchgen.engine.quant.fp8 import Fp8Linear, fp8_linear
+from batchgen.engine.quant.fp8 import (
+    Fp8Linear,
+    activations_unquantized,
+    fp8_linear,
+    fp8_rows_linear,
+)
 
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
@@ -179,12 +184,17 @@ def _norm_forward(
 
 
 def _mlp_forward(module: nn.Module, ops: Any, merged: Merged | None) -> Callable[..., torch.Tensor]:
-    down_fp8 = type(module.down_proj) is Fp8Linear  # it takes the FP8 rows SiLU-and-mul writes
+    down = module.down_proj
+    down_fp8 = type(down) is Fp8Linear  # it takes the FP8 rows SiLU-and-mul writes
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if merged is None:
-            return module.down_proj(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
-        return module.down_proj(ops.silu_mul_merged(merged(x), quantize=down_fp8))
+            return down(ops.silu_mul(module.gate_proj(x), module.up_proj(x)))
+        if down_fp8 and not activations_unquantized():  # no 16-bit SiLU-and-mul result
+            rows, scale = ops.silu_mul_fp8(merged(x))
+            out = fp8_rows_linear(rows, scale, down.weight, down.weight_scale, down.bias, x.dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return down(ops.silu_mul_merged(merged(x), quantize=down_fp8))
 
     return forward
 

@@ -132,16 +132,22 @@ def _silu_mul_merged_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK:
 
 
 @triton.jit
-def _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols):
-    """silu(gate) * up at `cols` of one row of gate_up, stored in out's row in its dtype;
-    -> those stored values in float32 (0 past n_cols)."""
+def _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, DTYPE: tl.constexpr):
+    """silu(gate) * up at `cols` of one row of gate_up, rounded to DTYPE as Hugging Face
+    rounds it; -> float32 (0 past n_cols)."""
     mask = cols < n_cols
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # HF rounds silu's result
-    out = (act.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
-    return out.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE)  # HF rounds silu's result
+    return (act.to(tl.float32) * u).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols):
+    """_silu_mul_values, stored in out's row in its dtype; -> them in float32."""
+    out = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+    return out
 
 
 def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
@@ -181,39 +187,94 @@ def _silu_mul_quant_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    STORE_OUT: tl.constexpr,  # False: only the FP8 row (out_ptr gives the 16-bit dtype)
 ):
     """One program per row: the 16-bit result and its amax, then its FP8 row from it. Rows are
     few in a decode step (256 programs on an H200 with 4 warps: 14.3 us against 10.7 us for
-    the two kernels it replaces), so each program has 16 warps."""
+    the two kernels it replaces), so each program has 16 warps. Without STORE_OUT the second
+    pass computes the values again from gate_up (the row just read, in L2) instead of reading
+    a stored copy."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
+    dtype = out_ptr.dtype.element_ty
     for start in range(0, n_cols, BLOCK):
-        y = _silu_mul_cols(
-            gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, start + tl.arange(0, BLOCK)
-        )
+        cols = start + tl.arange(0, BLOCK)
+        if STORE_OUT:
+            y = _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols)
+        else:
+            y = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, dtype)
         amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     tl.debug_barrier()  # this program's stores above are what it reads below
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+        if STORE_OUT:
+            y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            y = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, dtype)
         q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
 def launch_silu_mul_quant(
-    gate_up: torch.Tensor, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+    gate_up: torch.Tensor, out: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor
 ) -> None:
     """out [M, I] = silu(gate) * up of gate_up [M, 2I] (unit column stride), and q (fp8
     [M, I], or float32 to keep the scaled, clamped values before the cast) and scale [M]:
-    quantize_rows of out."""
+    quantize_rows of out. out None: q and scale only (the same values)."""
     if gate_up.shape[0]:
         _silu_mul_quant_kernel[(gate_up.shape[0],)](
-            gate_up, out, q, scale, gate_up.stride(0), out.stride(0), out.shape[1],
-            BLOCK=2048, **_fp8_consts(), num_warps=16,
+            gate_up, gate_up if out is None else out, q, scale, gate_up.stride(0),
+            0 if out is None else out.stride(0), q.shape[1],
+            BLOCK=2048, **_fp8_consts(), STORE_OUT=out is not None, num_warps=16,
         )  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_fp8_row_kernel(
+    gu_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_gu,
+    n_cols,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    """One program per row, the whole row in registers: gate_up read once, only the FP8 row
+    and its scale written."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    y = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, gu_ptr.dtype.element_ty)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+    q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(scale_ptr + row, scale)
+
+
+ROW_IN_REGISTERS = 32768  # longest SiLU-and-mul row _silu_mul_fp8_row_kernel keeps whole
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 rows (fp8 [M, I], float32 scales [M]) that quantize_rows makes of
+    silu_mul_merged(gate_up) ([..., 2I], M rows), without writing the 16-bit result: for an
+    FP8 projection that takes them directly (the fused MLP)."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    half = rows.shape[1] // 2
+    q, scale = _fp8_buffers(rows[:, :half], True)
+    block = triton.next_power_of_2(half)
+    if block > ROW_IN_REGISTERS:
+        launch_silu_mul_quant(rows, None, q, scale)
+    elif rows.shape[0]:
+        _silu_mul_fp8_row_kernel[(rows.shape[0],)](
+            rows, q, scale, rows.stride(0), half, BLOCK=block, **_fp8_consts(),
+            num_warps=16 if block >= 4096 else 4,
+        )  # fmt: skip
+    return q, scale
 
 
 @triton.jit

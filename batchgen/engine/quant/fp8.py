@@ -109,18 +109,38 @@ def fp8_linear(
     x2 = x.reshape(-1, shape[-1])
     if _UNQUANTIZED_ACTIVATIONS[0]:
         out = torch.nn.functional.linear(x2, dequantize_weight(weight, scale, x.dtype))
+        out = out if bias is None else out + bias
     elif x2.shape[0] == 0:
-        out = x2.new_empty(0, weight.shape[0])
-    elif x.is_cuda:
-        xq, xs = _rows_of(x, x2)
+        out = fp8_rows_linear(x2, x2.new_empty(0), weight, scale, bias, x.dtype)
+    else:
+        out = fp8_rows_linear(*_rows_of(x, x2), weight, scale, bias, x.dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def activations_unquantized() -> bool:
+    """Inside unquantized_activations(): FP8 layers take their 16-bit input as it is."""
+    return _UNQUANTIZED_ACTIVATIONS[0]
+
+
+def fp8_rows_linear(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """An activation's FP8 rows (fp8 [M, K], float32 scales [M], as quantize_rows makes them)
+    times an FP8 weight [N, K] with its scales [N], plus bias -> [M, N] in dtype."""
+    if xq.shape[0] == 0:
+        out = torch.empty(0, weight.shape[0], dtype=dtype, device=xq.device)
+    elif xq.is_cuda:
         from batchgen.engine.kernels.fp8_gemm import fp8_matmul, gpu_gemm_config
 
-        out = fp8_matmul(xq, xs, weight, scale, x.dtype, gpu_gemm_config(xq, weight))
+        out = fp8_matmul(xq, xs, weight, scale, dtype, gpu_gemm_config(xq, weight))
     else:
-        out = _fp8_product(*_rows_of(x, x2), weight, scale, x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], weight.shape[0])
+        out = _fp8_product(xq, xs, weight, scale, dtype)
+    return out if bias is None else out + bias
 
 
 def emulated_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
