@@ -457,6 +457,116 @@ def test_merged_gate_up_mlp_matches_the_module(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_add_then_the_norm(device: str, dtype: torch.dtype) -> None:
+    """One pass gives residual + x as torch's add stores it and the norm of that stored sum,
+    bit for bit what the two ops give separately (and the same FP8 rows)."""
+    from batchgen.engine.kernels.fused_ops import add_rms_norm, rms_norm
+    from batchgen.engine.quant.fp8 import _FP8_ROWS
+
+    torch.manual_seed(0)
+    dev = _device(device)
+    x = torch.randn(1, 6, 96, device=dev, dtype=dtype)
+    residual = torch.randn(1, 6, 96, device=dev, dtype=dtype) * 30.0
+    weight = torch.randn(96, device=dev, dtype=dtype)
+    total, normed = add_rms_norm(x, residual, weight, 1e-5)
+    assert total.dtype == dtype
+    if dev.type == "cpu" and dtype != torch.float32:  # the interpreter rounds bf16 its own way
+        assert (
+            _rel(total, residual + x) <= BF16_TOL
+            and _rel(normed, rms_norm(total, weight, 1e-5)) <= BF16_TOL
+        )
+        return
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, rms_norm(residual + x, weight, 1e-5))
+    if dtype == torch.bfloat16:
+        _, quantized = add_rms_norm(x, residual, weight, 1e-5, quantize=True)
+        rows = getattr(quantized, _FP8_ROWS)
+        expected = getattr(rms_norm(residual + x, weight, 1e-5, quantize=True), _FP8_ROWS)
+        assert torch.equal(rows[1], expected[1])
+        assert torch.equal(rows[0].view(torch.uint8), expected[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_decoder_layer_matches_the_layers_own_forward(device: str) -> None:
+    """In a batchgen step the fused layer adds each residual inside the RMSNorm after it; the
+    add after the MLP goes with the next norm, whose result rides on the layer's output and is
+    taken by that norm. Outside a step the layer runs its own forward. (Attention stands in as
+    a projection here: the layer's plumbing is under test, not attention.)"""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from batchgen.engine import fusion as fu
+    from batchgen.engine.kernels import fused_ops
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, hidden_states, **kwargs):
+            assert kwargs["position_embeddings"] == "pe"  # the layer's keywords reach it
+            return self.proj(hidden_states), None
+
+    torch.manual_seed(0)
+    dev = _device(device)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    layers = torch.nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(2)])
+    for layer in layers:
+        layer.self_attn = Attention()
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.normal_()
+    final = type(layers[0].input_layernorm)(32, eps=1e-5)
+    final.weight.data.normal_()
+    layers.to(dev)
+    final.to(dev)
+    x = torch.randn(1, 5, 32, device=dev)
+    expected = [layers[0](x, position_embeddings="pe")]
+    expected.append(layers[1](expected[0], position_embeddings="pe"))
+    expected.append(final(expected[1]))
+    for norm in (
+        final,
+        *(n for lay in layers for n in (lay.input_layernorm, lay.post_attention_layernorm)),
+    ):
+        norm.forward = fu._norm_forward(norm, fused_ops.rms_norm)
+    for layer, after in zip(layers, (layers[1].input_layernorm, final), strict=True):
+        layer.forward = fu._layer_forward(
+            layer,
+            after,
+            {}.fromkeys((after, layer.post_attention_layernorm), False),
+            fused_ops.add_rms_norm,
+        )
+    got = [layers[0](x, position_embeddings="pe", batchgen_meta=object())]
+    got.append(layers[1](got[0], position_embeddings="pe", batchgen_meta=object()))
+    assert getattr(got[1], fu._NORMED)[0] is final
+    got.append(final(got[1]))  # taken from the layer's output, not computed again
+    assert got[2] is getattr(got[1], fu._NORMED)[1]
+    for a, b in zip(got, expected, strict=True):
+        assert _rel(a, b) <= FP32_TOL
+    own = layers[0](x, position_embeddings="pe")  # outside a step: the layer's own forward
+    assert not hasattr(own, fu._NORMED) and _rel(own, expected[0]) <= FP32_TOL
+
+
+def test_fusion_pairs_each_decoder_layer_with_the_norm_after_it(model_dir) -> None:
+    """Each fused layer's last add goes with the next layer's input norm, the last layer's
+    with the model's final norm; off() gives every layer its own forward back."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.fusion import Fusion
+
+    path = model_dir("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    fusion = Fusion(model)
+    fusion.on()
+    layers = list(model.model.layers)
+    after = [layers[1].input_layernorm, layers[2].input_layernorm, model.model.norm]
+    assert fusion._fused_layers() == list(zip(layers, after, strict=True))
+    assert all("forward" in layer.__dict__ for layer in layers)
+    fusion.off()
+    assert not any("forward" in layer.__dict__ for layer in layers)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_rope_check_keeps_the_models_own_rotary_where_it_differs(device: str) -> None:
     """Interleaved rotary (GPT-J style) is not rotate-half: the check must notice."""
     import types

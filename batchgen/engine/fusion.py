@@ -11,6 +11,11 @@ instance (the model object only; nothing inside transformers is replaced).
   and compares them (interleaved or partial rotary differ), and where they differ the model's
   own function is used for good.
 
+- Decoder layer (those families, where its norms, attention and MLP are all fused): the
+  residual add after attention and the post-attention RMSNorm as one kernel, and the add after
+  the MLP with the next layer's input RMSNorm (or the model's final norm) as one kernel, whose
+  normed result travels attached to the layer's output until that norm takes it.
+
 Merged projections are one weight tensor whose rows the original Linear modules keep as views
 (no extra memory; the values do not change); FP8 layers merge their weights and per-channel
 scales likewise (per-token activation scales depend only on the shared input, so the merged
@@ -39,6 +44,14 @@ from batchgen.engine.quant.fp8 import (
 
 FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 FUSED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+# pre-norm layers: norm -> attention -> add -> norm -> MLP -> add, nothing else
+FUSED_LAYERS = (
+    "LlamaDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+    "MistralDecoderLayer",
+)
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (5.2x) SiLU modules
 # (norm, the module its output goes to unchanged) in the decoder layers of the fused families
 FEEDS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
@@ -73,8 +86,40 @@ class Fusion:
             if forward is not None:
                 module.forward = forward
                 self.modules.append(module)
-        for norm in self._norms_feeding_fp8():  # they also write their FP8 rows
+        feeding = self._norms_feeding_fp8()
+        for norm in feeding:  # they also write their FP8 rows
             norm.forward = _norm_forward(norm, fused_ops.rms_norm, quantize=True)
+        for layer, next_norm in self._fused_layers():
+            quantize = {n: n in feeding for n in (layer.post_attention_layernorm, next_norm)}
+            layer.forward = _layer_forward(layer, next_norm, quantize, fused_ops.add_rms_norm)
+            self.modules.append(layer)
+
+    def _fused_layers(self) -> list[tuple[nn.Module, nn.Module | None]]:
+        """(layer, the norm its output goes to) for the decoder layers of FUSED_LAYERS whose
+        parts all run fused here; the norm is the next layer's input norm (the model's final
+        norm after the last layer) where that is fused too, else None."""
+        found = []
+        for stack_owner in self.model.modules():
+            for stack in stack_owner.children():
+                if not isinstance(stack, nn.ModuleList):
+                    continue
+                layers = list(stack)
+                final = getattr(stack_owner, "norm", None)
+                for i, layer in enumerate(layers):
+                    if not self._fusable(layer):
+                        continue
+                    after = layers[i + 1] if i + 1 < len(layers) else None
+                    if after is None:
+                        next_norm = final if final in self.modules else None
+                    else:
+                        next_norm = after.input_layernorm if self._fusable(after) else None
+                    found.append((layer, next_norm))
+        return found
+
+    def _fusable(self, layer: nn.Module) -> bool:
+        return type(layer).__name__ in FUSED_LAYERS and all(
+            getattr(layer, part, None) in self.modules for part in LAYER_PARTS
+        )
 
     def _norms_feeding_fp8(self) -> list[nn.Module]:
         """Fused norms of decoder layers whose output goes straight into a merged FP8
@@ -174,11 +219,44 @@ def _set_view(module: nn.Module, name: str, view: torch.Tensor) -> None:
         setattr(module, name, view)
 
 
+# attribute of a decoder layer's output: (the norm it goes to, that norm's result on it)
+_NORMED = "_batchgen_normed"
+
+
 def _norm_forward(
     module: nn.Module, kernel: Any, quantize: bool = False
 ) -> Callable[..., torch.Tensor]:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        done = getattr(hidden_states, _NORMED, None)
+        if done is not None and done[0] is module:  # computed with the add that made the input
+            return done[1]
         return kernel(hidden_states, module.weight, module.variance_epsilon, quantize)
+
+    return forward
+
+
+def _layer_forward(
+    layer: nn.Module,
+    next_norm: nn.Module | None,
+    quantize: dict[nn.Module | None, bool],
+    add_rms_norm: Any,
+) -> Callable[..., Any]:
+    """The pre-norm decoder layer with each residual add fused into the RMSNorm after it."""
+    post = layer.post_attention_layernorm
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 or (kwargs.get("batchgen_meta") is None and not in_step()):
+            return type(layer).forward(layer, *args, **kwargs)  # the caller's own forward
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        h, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kwargs)
+        hidden, h = add_rms_norm(h, hidden, post.weight, post.variance_epsilon, quantize[post])
+        h = layer.mlp(h)
+        if next_norm is None:
+            return hidden + h
+        eps = next_norm.variance_epsilon
+        out, normed = add_rms_norm(h, hidden, next_norm.weight, eps, quantize[next_norm])
+        setattr(out, _NORMED, (next_norm, normed))
+        return out
 
     return forward
 

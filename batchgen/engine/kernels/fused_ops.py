@@ -18,19 +18,29 @@ def _rms_norm_kernel(
     out_ptr,
     q_ptr,  # fp8 [rows, n_cols] (read when QUANT)
     scale_ptr,  # float32 [rows] (read when QUANT)
+    res_ptr,  # [rows, n_cols] added to x first (read when ADD)
+    sum_ptr,  # [rows, n_cols] x + res as stored, in x's dtype (written when ADD)
     stride_x,
     stride_o,
+    stride_r,
+    stride_s,
     n_cols,
     eps,
     BLOCK: tl.constexpr,
     QUANT: tl.constexpr,
+    ADD: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:  # residual + x rounded to their dtype, as torch's add stores it, then normed
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty)  # HF rounds to the input dtype here
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -83,9 +93,45 @@ def launch_rms_norm(
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, rows if q is None else q, rows if scale is None else scale,
-            rows.stride(0), out.stride(0), rows.shape[1], eps,
-            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, **_fp8_consts(),
+            rows, rows, rows.stride(0), out.stride(0), 0, 0, rows.shape[1], eps,
+            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, ADD=False,
+            **_fp8_consts(),
         )  # fmt: skip
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quantize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, rms_norm(residual + x, weight, eps, quantize)) in one pass: the sum
+    rounded to the inputs' dtype as torch's add stores it, then normed from that, so both are
+    bit for bit what the separate ops give. x, residual: [..., D] of one shape and dtype."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    res = residual.reshape(-1, shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    res = res if res.stride(-1) == 1 else res.contiguous()
+    total = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+                        device=x.device)  # fmt: skip
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype),
+                      device=x.device)  # fmt: skip
+    q, scale = _fp8_buffers(rows, quantize)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, q, scale, res, total, rows.stride(0), out.stride(0),
+            res.stride(0), total.stride(0), rows.shape[1], eps,
+            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=quantize, ADD=True,
+            **_fp8_consts(),
+        )  # fmt: skip
+    normed = out.view(shape)
+    if quantize:
+        from batchgen.engine.quant.fp8 import attach_fp8_rows
+
+        attach_fp8_rows(normed, q, scale)
+    return total.view(shape), normed
 
 
 def _fp8_buffers(rows: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
