@@ -402,7 +402,8 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
         apply_rotary_pos_emb,
     )
 
-    from batchgen.engine.kernels.fused_ops import rms_norm, rope, rope_qk, silu_mul
+    from batchgen.engine.kernels.fused_ops import rms_norm, silu_mul
+    from batchgen.engine.kernels.rotary import rope, rope_qk
 
     torch.manual_seed(0)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL

@@ -326,7 +326,7 @@ class RopeCheck:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from batchgen.engine.kernels.fused_ops import rope_qk
+        from batchgen.engine.kernels.rotary import rope_qk
 
         if (
             self.verified is False
