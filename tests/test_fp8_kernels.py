@@ -221,8 +221,8 @@ def test_silu_mul_fp8_rows_equal_the_quantize_kernel() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_silu_mul_fp8_rows_without_the_16_bit_result(device: str, monkeypatch) -> None:
     """silu_mul_fp8 gives the FP8 rows silu_mul_merged(quantize=True) attaches, bit for bit,
-    without writing the 16-bit result: a row held whole in registers, or (rows longer than
-    ROW_IN_REGISTERS) computed again in a second pass."""
+    without keeping the 16-bit result: a row held whole in registers, or (rows longer than
+    ROW_IN_REGISTERS) through a scratch 16-bit row."""
     from batchgen.engine.kernels import fused_ops
     from batchgen.engine.kernels.fused_ops import silu_mul_merged
     from batchgen.engine.quant.fp8 import _FP8_ROWS

@@ -534,7 +534,7 @@ def test_fused_decoder_layer_matches_the_layers_own_forward(device: str) -> None
         layer.forward = fu._layer_forward(
             layer,
             after,
-            {}.fromkeys((after, layer.post_attention_layernorm), False),
+            (False, False),
             fused_ops.add_rms_norm,
         )
     got = [layers[0](x, position_embeddings="pe", batchgen_meta=object())]

@@ -90,8 +90,8 @@ class Fusion:
         for norm in feeding:  # they also write their FP8 rows
             norm.forward = _norm_forward(norm, fused_ops.rms_norm, quantize=True)
         for layer, next_norm in self._fused_layers():
-            quantize = {n: n in feeding for n in (layer.post_attention_layernorm, next_norm)}
-            layer.forward = _layer_forward(layer, next_norm, quantize, fused_ops.add_rms_norm)
+            fp8 = (layer.post_attention_layernorm in feeding, next_norm in feeding)
+            layer.forward = _layer_forward(layer, next_norm, fp8, fused_ops.add_rms_norm)
             self.modules.append(layer)
 
     def _fused_layers(self) -> list[tuple[nn.Module, nn.Module | None]]:
@@ -238,23 +238,25 @@ def _norm_forward(
 def _layer_forward(
     layer: nn.Module,
     next_norm: nn.Module | None,
-    quantize: dict[nn.Module | None, bool],
+    fp8: tuple[bool, bool],
     add_rms_norm: Any,
 ) -> Callable[..., Any]:
-    """The pre-norm decoder layer with each residual add fused into the RMSNorm after it."""
+    """The pre-norm decoder layer with each residual add fused into the RMSNorm after it;
+    fp8: whether the post-attention norm and next_norm write FP8 rows."""
     post = layer.post_attention_layernorm
+    post_fp8, next_fp8 = fp8
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if len(args) > 1 or (kwargs.get("batchgen_meta") is None and not in_step()):
             return type(layer).forward(layer, *args, **kwargs)  # the caller's own forward
         hidden = args[0] if args else kwargs.pop("hidden_states")
         h, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kwargs)
-        hidden, h = add_rms_norm(h, hidden, post.weight, post.variance_epsilon, quantize[post])
+        hidden, h = add_rms_norm(h, hidden, post.weight, post.variance_epsilon, post_fp8)
         h = layer.mlp(h)
         if next_norm is None:
             return hidden + h
         eps = next_norm.variance_epsilon
-        out, normed = add_rms_norm(h, hidden, next_norm.weight, eps, quantize[next_norm])
+        out, normed = add_rms_norm(h, hidden, next_norm.weight, eps, next_fp8)
         setattr(out, _NORMED, (next_norm, normed))
         return out
 

@@ -63,40 +63,12 @@ def rms_norm(
     scales, as quantize_rows), attached to the result (quant.fp8.attach_fp8_rows), in the
     same pass.
     """
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)  # fmt: skip
     q, scale = _fp8_buffers(rows, quantize)
     launch_rms_norm(rows, weight, eps, out, q if quantize else None, scale)
-    result = out.view(shape)
-    if quantize:
-        from batchgen.engine.quant.fp8 import attach_fp8_rows
-
-        attach_fp8_rows(result, q, scale)
-    return result
-
-
-def launch_rms_norm(
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out: torch.Tensor,
-    q: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> None:
-    """out [M, D] = rms_norm of rows [M, D] (unit column stride); with q (fp8 [M, D], or
-    float32 to keep the scaled, clamped values before the cast) and scale [M] also the
-    result's FP8 rows."""
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows if q is None else q, rows if scale is None else scale,
-            rows, rows, rows.stride(0), out.stride(0), 0, 0, rows.shape[1], eps,
-            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, ADD=False,
-            **_fp8_consts(),
-        )  # fmt: skip
+    return _with_rows(out.view(x.shape), q, scale, quantize)
 
 
 def add_rms_norm(
@@ -109,29 +81,57 @@ def add_rms_norm(
     """(residual + x, rms_norm(residual + x, weight, eps, quantize)) in one pass: the sum
     rounded to the inputs' dtype as torch's add stores it, then normed from that, so both are
     bit for bit what the separate ops give. x, residual: [..., D] of one shape and dtype."""
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    res = residual.reshape(-1, shape[-1])
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    res = res if res.stride(-1) == 1 else res.contiguous()
+    rows = _rows(x)
     total = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                         device=x.device)  # fmt: skip
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, total.dtype),
                       device=x.device)  # fmt: skip
     q, scale = _fp8_buffers(rows, quantize)
+    launch_rms_norm(rows, weight, eps, out, q if quantize else None, scale,
+                    residual=_rows(residual), total=total)  # fmt: skip
+    return total.view(x.shape), _with_rows(out.view(x.shape), q, scale, quantize)
+
+
+def launch_rms_norm(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> None:
+    """out [M, D] = rms_norm of rows [M, D] (unit column stride); with q (fp8 [M, D], or
+    float32 to keep the scaled, clamped values before the cast) and scale [M] also the
+    result's FP8 rows; with residual and total ([M, D]), of total = rows + residual, which
+    is stored too."""
+    add = residual is not None and total is not None
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, q, scale, res, total, rows.stride(0), out.stride(0),
-            res.stride(0), total.stride(0), rows.shape[1], eps,
-            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=quantize, ADD=True,
+            rows, weight, out, rows if q is None else q, rows if scale is None else scale,
+            residual if add else rows, total if add else rows, rows.stride(0), out.stride(0),
+            residual.stride(0) if add else 0, total.stride(0) if add else 0, rows.shape[1], eps,
+            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, ADD=add,
             **_fp8_consts(),
         )  # fmt: skip
-    normed = out.view(shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [M, D] rows with a unit column stride (a view where it can be)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _with_rows(
+    result: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, quantize: bool
+) -> torch.Tensor:
+    """result, with its FP8 rows attached when quantize."""
     if quantize:
         from batchgen.engine.quant.fp8 import attach_fp8_rows
 
-        attach_fp8_rows(normed, q, scale)
-    return total.view(shape), normed
+        attach_fp8_rows(result, q, scale)
+    return result
 
 
 def _fp8_buffers(rows: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,26 +199,20 @@ def _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols):
 def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """silu(gate) * up where gate_up: [..., 2I] holds gate then up (one merged GEMM's output)
     -> [..., I]. quantize: also its FP8 rows, attached as rms_norm(quantize=True) does."""
-    shape = gate_up.shape
-    rows = gate_up.reshape(-1, shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    half = shape[-1] // 2
+    rows = _rows(gate_up)
+    half = gate_up.shape[-1] // 2
     out = torch.empty((rows.shape[0], half), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    shape = (*gate_up.shape[:-1], half)
     if quantize:
         q, scale = _fp8_buffers(out, True)
         launch_silu_mul_quant(rows, out, q, scale)
-        from batchgen.engine.quant.fp8 import attach_fp8_rows
-
-        result = out.view(*shape[:-1], half)
-        attach_fp8_rows(result, q, scale)
-        return result
+        return _with_rows(out.view(shape), q, scale, True)
+    block = 1024
     if rows.shape[0]:
         _silu_mul_merged_kernel[(rows.shape[0], triton.cdiv(half, block))](
             rows, out, rows.stride(0), out.stride(0), half, BLOCK=block
         )
-    return out.view(*shape[:-1], half)
+    return out.view(shape)
 
 
 @triton.jit
@@ -233,48 +227,37 @@ def _silu_mul_quant_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
-    STORE_OUT: tl.constexpr,  # False: only the FP8 row (out_ptr gives the 16-bit dtype)
 ):
     """One program per row: the 16-bit result and its amax, then its FP8 row from it. Rows are
     few in a decode step (256 programs on an H200 with 4 warps: 14.3 us against 10.7 us for
-    the two kernels it replaces), so each program has 16 warps. Without STORE_OUT the second
-    pass computes the values again from gate_up (the row just read, in L2) instead of reading
-    a stored copy."""
+    the two kernels it replaces), so each program has 16 warps."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
-    dtype = out_ptr.dtype.element_ty
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        if STORE_OUT:
-            y = _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols)
-        else:
-            y = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, dtype)
+        y = _silu_mul_cols(gu_ptr, out_ptr, row, stride_gu, stride_o, n_cols, cols)
         amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     tl.debug_barrier()  # this program's stores above are what it reads below
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if STORE_OUT:
-            y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            y = _silu_mul_values(gu_ptr, row, stride_gu, n_cols, cols, dtype)
+        y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
 def launch_silu_mul_quant(
-    gate_up: torch.Tensor, out: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor
+    gate_up: torch.Tensor, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 ) -> None:
     """out [M, I] = silu(gate) * up of gate_up [M, 2I] (unit column stride), and q (fp8
     [M, I], or float32 to keep the scaled, clamped values before the cast) and scale [M]:
-    quantize_rows of out. out None: q and scale only (the same values)."""
+    quantize_rows of out."""
     if gate_up.shape[0]:
         _silu_mul_quant_kernel[(gate_up.shape[0],)](
-            gate_up, gate_up if out is None else out, q, scale, gate_up.stride(0),
-            0 if out is None else out.stride(0), q.shape[1],
-            BLOCK=2048, **_fp8_consts(), STORE_OUT=out is not None, num_warps=16,
+            gate_up, out, q, scale, gate_up.stride(0), out.stride(0), out.shape[1],
+            BLOCK=2048, **_fp8_consts(), num_warps=16,
         )  # fmt: skip
 
 
@@ -305,16 +288,16 @@ ROW_IN_REGISTERS = 32768  # longest SiLU-and-mul row _silu_mul_fp8_row_kernel ke
 
 def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 rows (fp8 [M, I], float32 scales [M]) that quantize_rows makes of
-    silu_mul_merged(gate_up) ([..., 2I], M rows), without writing the 16-bit result: for an
-    FP8 projection that takes them directly (the fused MLP)."""
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    silu_mul_merged(gate_up) ([..., 2I], M rows), without keeping the 16-bit result: for an
+    FP8 projection that takes them directly (the fused MLP). Rows longer than
+    ROW_IN_REGISTERS go through _silu_mul_quant_kernel with a scratch 16-bit row (computing
+    the values again instead measured slower on an H200)."""
+    rows = _rows(gate_up)
     half = rows.shape[1] // 2
     q, scale = _fp8_buffers(rows[:, :half], True)
     block = triton.next_power_of_2(half)
     if block > ROW_IN_REGISTERS:
-        launch_silu_mul_quant(rows, None, q, scale)
+        launch_silu_mul_quant(rows, torch.empty_like(q, dtype=gate_up.dtype), q, scale)
     elif rows.shape[0]:
         _silu_mul_fp8_row_kernel[(rows.shape[0],)](
             rows, q, scale, rows.stride(0), half, BLOCK=block, **_fp8_consts(),
