@@ -17,6 +17,7 @@ import gc
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from batchgen import Engine, EngineConfig, SamplingParams
@@ -28,7 +29,9 @@ from batchgen.engine.request import Prompt
 PRECISIONS = ("bf16", "fp8", "fp8-kv")
 
 
-def profile_steps(engine: Engine, prompts: list[list[int]], rows: int, phase: str) -> None:
+def profile_steps(
+    engine: Engine, prompts: list[list[int]], rows: int, phase: str, sequence: int = 0
+) -> None:
     params = SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.0)
     list(engine.generate(prompts[:64], params.replace(max_new_tokens=8), decode=False))
     for i, p in enumerate(prompts):
@@ -64,6 +67,8 @@ def profile_steps(engine: Engine, prompts: list[list[int]], rows: int, phase: st
         (e for e in prof.key_averages() if e.device_time_total > 0),
         key=lambda e: -e.device_time_total,
     )
+    if sequence:
+        print_sequence(prof, steps, sequence)
     per = 1 if phase == "prefill" else steps
     unit = "ms in all" if phase == "prefill" else "ms per step"
     total = sum(e.device_time_total for e in kernels) / per / 1e3
@@ -75,12 +80,28 @@ def profile_steps(engine: Engine, prompts: list[list[int]], rows: int, phase: st
         engine.step()
 
 
+def print_sequence(prof: profile, steps: int, count: int) -> None:
+    """The first `count` kernels of the last profiled step, in the order they ran."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    last = kernels[len(kernels) - len(kernels) // steps :]
+    print(f"  first {count} of the last step's {len(last)} kernels, in order:")
+    print("  | us | kernel |\n  |---|---|")
+    for e in last[:count]:
+        print(f"  | {e.time_range.elapsed_us():.1f} | {e.name[:90]} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--precisions", default="bf16", help="comma-separated: bf16,fp8,fp8-kv")
     parser.add_argument("--rows", type=int, default=12, help="kernels listed per precision")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument(
+        "--sequence", type=int, default=0, help="also list a step's first N kernels in order"
+    )
     args = parser.parse_args()
     chosen = args.precisions.split(",")
     if not torch.cuda.is_available() or not set(chosen) <= set(PRECISIONS):
@@ -94,7 +115,7 @@ def main() -> None:
         print(f"== {args.shape} {name}")
         config = EngineConfig(kv_cache_dtype="fp8" if name == "fp8-kv" else "auto")
         engine = Engine(model, config)
-        profile_steps(engine, prompts, args.rows, args.phase)
+        profile_steps(engine, prompts, args.rows, args.phase, args.sequence)
         engine.close()
         del engine
         gc.collect()

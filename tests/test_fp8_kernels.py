@@ -13,6 +13,10 @@ from __future__ import annotations
 # modules' interpreted kernels fail ("0 active drivers") otherwise
 from tests import test_kernels as tk  # isort: split
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -97,6 +101,45 @@ def test_write_kv_fp8_saturates_like_reference() -> None:
     assert kc.view(torch.uint8).equal(kc_ref.view(torch.uint8))
     assert vc.view(torch.uint8).equal(vc_ref.view(torch.uint8))
     assert kc.float().view(-1, 2, 64)[3, 0, 0] == FP8_MAX
+
+
+@pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)
+def test_rope_write_kv_into_fp8_cache_is_rope_then_write_kv() -> None:
+    case = tk.rope_kv_case(19, 9, 64, torch.bfloat16, FP8_DTYPE, torch.device("cuda"))
+    case["k"][0, 0, 0] = case["v"][0, 1, 5] = 1000.0  # beyond E4M3's range: saturated
+    tk.check_rope_write_kv(case)
+
+
+# compiles the fused rotary + KV write for sm_90 in a process without the interpreter
+HOPPER_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from batchgen.engine.kernels.rotary import _rope_kv_write_kernel as kernel
+
+cache = sys.argv[1]
+types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr"), "*bf16")
+types.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, slot_ptr="*i64")
+consts = dict(HALF=64, BLOCK=64, BLOCK_H=8, BLOCK_D=128, BLOCK_SIZE=16, FP8_MAX=448.0)
+consts["SATURATE"] = cache == "fp8e4nv"
+names = kernel.arg_names
+signature = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
+constexprs = {(names.index(n),): v for n, v in consts.items()}
+triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_rope_write_kv_compiles_for_hopper(cache: str) -> None:
+    """The interpreter runs code the compiler refuses (a constexpr branch returning another
+    dtype did, and only the GPU run found it): compiled here for sm_90, no GPU needed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", HOPPER_COMPILE, cache],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("device", DEVICES)

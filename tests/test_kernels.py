@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from itertools import accumulate
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -429,6 +430,53 @@ def test_fused_ops_match_hf_modules(device: str, dtype: torch.dtype) -> None:
         assert _rel(q_out, q_ref) <= tol and _rel(k_out, k_ref) <= tol
 
 
+def rope_kv_case(
+    q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, dev: Any
+) -> dict[str, Any]:
+    """q, k, v as strided views of one projection's rows (as the fused attention splits
+    them), cos/sin, one layer's caches and slots with padding (-1) among them."""
+    torch.manual_seed(1)
+    tokens = 7
+    fused = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim).to(dtype).to(dev)
+    q, k, v = fused.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    angles = torch.randn(1, tokens, dim // 2, device=dev)
+    cache, _ = paged_setup([40], kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=dev)
+    return {
+        "q": q.view(tokens, q_heads, dim),
+        "k": k.view(tokens, kv_heads, dim),
+        "v": v.view(tokens, kv_heads, dim),
+        "cos": torch.cat([angles.cos(), angles.cos()], -1).to(dtype),
+        "sin": torch.cat([angles.sin(), angles.sin()], -1).to(dtype),
+        "k_cache": cache.keys[0].to(cache_dtype),
+        "v_cache": cache.values[0].to(cache_dtype),
+        "slot_mapping": torch.tensor([3, -1, 17, 47, -1, 16, 0], device=dev),
+    }
+
+
+def check_rope_write_kv(case: dict[str, Any]) -> None:
+    """rope_write_kv is rope_qk then write_kv, bit for bit: the rotated q it returns and both
+    caches, where padding tokens' slots stay untouched."""
+    from batchgen.engine.kernels.rotary import rope_qk, rope_write_kv
+
+    c = dict(case)
+    kc_ref, vc_ref = c["k_cache"].clone(), c["v_cache"].clone()
+    q_ref, k_rot = rope_qk(c["q"].transpose(0, 1)[None], c["k"].transpose(0, 1)[None],
+                           c["cos"], c["sin"])  # fmt: skip
+    write_kv(k_rot[0].transpose(0, 1), c["v"], kc_ref, vc_ref, c["slot_mapping"])
+    q_out = rope_write_kv(**c)
+    assert q_out.shape == c["q"].shape and torch.equal(q_out, q_ref[0].transpose(0, 1))
+    for got, want in ((c["k_cache"], kc_ref), (c["v_cache"], vc_ref)):
+        assert got.view(torch.uint8).equal(want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 32), (19, 9, 64)], ids=["partial", "full+partial"])
+def test_rope_write_kv_is_rope_then_write_kv(device: str, dtype: torch.dtype, heads: tuple) -> None:
+    q_heads, kv_heads, dim = heads  # programs take 8 heads: partial and full blocks
+    check_rope_write_kv(rope_kv_case(q_heads, kv_heads, dim, dtype, dtype, _device(device)))
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -602,10 +650,16 @@ def test_rope_check_keeps_the_models_own_rotary_where_it_differs(device: str) ->
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET")
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_fused_layers_generate_what_the_model_does(family: str, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [(f, "reference") for f in ("llama", "mistral", "qwen2", "qwen3")]
+    + [(f, "triton") for f in ("llama", "qwen3")],  # ~35 s each in the interpreter
+)
+def test_fused_layers_generate_what_the_model_does(family: str, backend: str, tmp_path) -> None:
     """Fused norms, merged q/k/v and gate/up GEMMs and the fused rotary, in Triton's CPU
-    interpreter: the same greedy tokens as the engine on the model's own modules."""
+    interpreter: the same greedy tokens as the engine on the model's own modules. The Triton
+    backend rotates q and k with its KV write (after the first call's check); the reference
+    one gets them rotated."""
     from batchgen import Engine, EngineConfig, SamplingParams
     from batchgen.engine.attention import attention_scope
     from batchgen.engine.fusion import Fusion
@@ -614,15 +668,25 @@ def test_fused_layers_generate_what_the_model_does(family: str, tmp_path) -> Non
     path = build_family_model(family, tmp_path / family)
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 41] * (1 + i) for i in range(3)]  # window 16 reached
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    engine = Engine(path, EngineConfig(device="cpu", dtype="float32"))
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend=backend)
+    engine = Engine(path, config)
     expected = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
     fusion = Fusion(engine.model)
     fusion.on()
+    if backend == "triton":  # every call after the first goes to the fused KV write
+        calls = []
+        fused = engine.runner.backend.kernels.rope_write_kv
+        engine.runner.backend.kernels = SimpleNamespace(
+            **{**vars(engine.runner.backend.kernels),
+               "rope_write_kv": lambda *a: calls.append(1) or fused(*a)}
+        )  # fmt: skip
     names = {type(m).__name__ for m in fusion.modules}
     assert any(n.endswith("Attention") for n in names) and any(n.endswith("MLP") for n in names)
     got = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
     assert fusion.rope.verified is True
     assert got == expected
+    if backend == "triton":
+        assert calls
     ids = torch.tensor([prompts[2]])
     with attention_scope(engine.model, "eager"):  # outside a step: the modules' own attention
         outside = engine.model(input_ids=ids, use_cache=False).logits

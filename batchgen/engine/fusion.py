@@ -5,11 +5,12 @@ instance (the model object only; nothing inside transformers is replaced).
   the same pass writes the FP8 rows that projection would quantize the output to.
 - Gated-SiLU MLP: gate and up projections as one GEMM, SiLU-and-mul fused (writing the FP8
   rows of its result too where the down projection is FP8).
-- Attention (Llama, Mistral, Qwen2, Qwen3): q, k and v projections as one GEMM, rotary
-  embedding fused, then batchgen's attention. Whether the fused rotary computes what the
-  modeling file's own `apply_rotary_pos_emb` does is not assumed: the first call computes both
-  and compares them (interleaved or partial rotary differ), and where they differ the model's
-  own function is used for good.
+- Attention (Llama, Mistral, Qwen2, Qwen3): q, k and v projections as one GEMM, then
+  batchgen's attention, which rotates q and k (rotary embedding) in the kernel that writes k
+  and v into the cache. Whether that rotation computes what the modeling file's own
+  `apply_rotary_pos_emb` does is not assumed: the first call computes both and compares them
+  (interleaved or partial rotary differ), and where they differ the model's own function is
+  used for good.
 
 - Decoder layer (those families, where its norms, attention and MLP are all fused): the
   residual add after attention and the post-attention RMSNorm as one kernel, and the add after
@@ -308,10 +309,16 @@ def _attention_forward(
         q, k, v = (t.view(*tokens, -1, head_dim) for t in (q, k, v))  # [1, T, heads, D]
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        rotary = {}
+        if rope.deferrable(q, k, *position_embeddings):  # rotated with the KV write
+            rotary = {"rotary": position_embeddings}
+        else:
+            q, k = rope(q, k, *position_embeddings)
         out, _ = batchgen_attention(
-            module, q, k, v.transpose(1, 2), None, scaling=module.scaling, **extra, **kwargs
-        )
+            module, q, k, v.transpose(1, 2), None, scaling=module.scaling, **extra, **rotary,
+            **kwargs,
+        )  # fmt: skip
         return module.o_proj(out.reshape(*tokens, -1)), None
 
     return forward
@@ -325,17 +332,22 @@ class RopeCheck:
         self.original = getattr(modeling, "apply_rotary_pos_emb", None)
         self.verified: bool | None = None  # None: not compared yet
 
+    def _fits(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+        return cos.shape[-1] == q.shape[-1] and q.shape[0] == 1 and q.dtype == k.dtype
+
+    def deferrable(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> bool:
+        """Whether the attention may rotate q and k itself (the kernels' rotation, compared
+        with the model's own function already, applies to them)."""
+        return self.verified is True and self._fits(q, k, cos)
+
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from batchgen.engine.kernels.rotary import rope_qk
 
-        if (
-            self.verified is False
-            or cos.shape[-1] != q.shape[-1]
-            or q.shape[0] != 1
-            or q.dtype != k.dtype
-        ):
+        if self.verified is False or not self._fits(q, k, cos):
             return self.original(q, k, cos, sin)
         fused = rope_qk(q, k, cos, sin)
         if self.verified is None:

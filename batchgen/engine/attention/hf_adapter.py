@@ -25,7 +25,7 @@ from batchgen.engine.attention.base import AttentionMetadata, LayerSpec
 ATTENTION_NAME = "batchgen"
 # kwargs an attention function may receive that batchgen implements or that change nothing
 HANDLED_KWARGS = frozenset(
-    {"batchgen_meta", "sliding_window", "softcap", "s_aux", "scaling", "dropout"}
+    {"batchgen_meta", "sliding_window", "softcap", "s_aux", "scaling", "dropout", "rotary"}
 )
 HARMLESS_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "return_dict"}
@@ -126,7 +126,9 @@ def batchgen_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface. query: [1, H, T, Dk], key: [1, Hkv, T, Dk],
-    value: [1, Hkv, T, Dv] -> ([1, T, H, Dv], None)."""
+    value: [1, Hkv, T, Dv] -> ([1, T, H, Dv], None). batchgen's fused layers may pass
+    rotary=(cos, sin) with query and key not yet rotated (rotate-half): a backend that fuses
+    the rotation with its KV write gets them so, any other gets them rotated here."""
     meta: AttentionMetadata | None = kwargs.get("batchgen_meta") or _STEP.get()
     if meta is None:
         raise RuntimeError("batchgen attention called outside a batchgen step: run through Engine")
@@ -136,14 +138,23 @@ def batchgen_attention(
     spec = _SPECS.get(module)
     if spec is None:  # what a layer computes is fixed for its life: worked out once
         spec = _SPECS[module] = layer_spec(module, query.shape[-1], scaling, kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     width = meta.kv_cache.keys[0].shape[-1]
+    rotary = kwargs.get("rotary")
+    if rotary is not None and not (
+        getattr(meta.backend, "fuses_rotary", False) and query.shape[-1] == width
+    ):
+        from batchgen.engine.kernels.rotary import rope_qk
+
+        query, key = rope_qk(query, key, *rotary)
+        rotary = None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, dim]
     dv = v.shape[-1]
     if q.shape[-1] < width:  # narrower heads than the cache (values of latent attention)
         q, k = F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1]))
     if dv < width:
         v = F.pad(v, (0, width - dv))
-    out = meta.backend.forward(module.layer_idx, q, k, v, meta, spec)
+    fused = {} if rotary is None else {"rotary": rotary}
+    out = meta.backend.forward(module.layer_idx, q, k, v, meta, spec, **fused)
     return out[None, ..., :dv], None  # [1, T, H, Dv]
 
 

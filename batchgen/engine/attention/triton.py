@@ -84,6 +84,7 @@ class TritonBackend:
     """
 
     graphable = True
+    fuses_rotary = True  # forward() takes q and k unrotated with their cos/sin (one launch)
 
     def __init__(self, tuning: TritonTuning | None = None) -> None:
         from batchgen.engine import kernels  # imports triton
@@ -111,13 +112,19 @@ class TritonBackend:
         v: torch.Tensor,
         meta: AttentionMetadata,
         spec: LayerSpec,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; also writes k/v into the cache."""
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; also writes k/v into the cache.
+        rotary: (cos, sin) where q and k are still to be rotated (rotate-half), fused with
+        the KV write."""
         plan, kern, tune = self.plan(meta), self.kernels, self.tuning
         scale, window = spec.scale, spec.window
         extra = {"chunk": spec.chunk, "softcap": spec.softcap, "sinks": spec.sinks}
         k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
-        kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rotary is None:
+            kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            q = kern.rope_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.num_decodes:
             kern.paged_decode(

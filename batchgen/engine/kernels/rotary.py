@@ -1,5 +1,7 @@
 """Rotate-half rotary embedding of q and k in one kernel, rounding once (the Hugging Face op
-rounds three times); fusion.RopeCheck compares it with the model's own function before use."""
+rounds three times), and the same rotation fused with the KV write: q rotated, k rotated
+straight into its cache slot, v copied into its own (one launch for all three).
+fusion.RopeCheck compares the rotation with the model's own function before either is used."""
 
 from __future__ import annotations
 
@@ -7,21 +9,47 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
+
 
 @triton.jit
 def _rope_heads(
     src_ptr, dst_ptr, stride_h, stride_oh, heads, h0, c1, c2, s1, s2, i,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, SATURATE: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
-    """Rotate heads [h0, h0 + BLOCK_H) of one token (rows of src/dst at stride_h/stride_oh)."""
+    """Rotate heads [h0, h0 + BLOCK_H) of one token (rows of src/dst at stride_h/stride_oh),
+    rounding to src's dtype; SATURATE: dst is an FP8 cache, clamp to its largest value first."""
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & (i < HALF)[None, :]
     src = src_ptr + h[:, None].to(tl.int64) * stride_h + i[None, :]
     dst = dst_ptr + h[:, None].to(tl.int64) * stride_oh + i[None, :]
     x1 = tl.load(src, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-    tl.store(dst, (x1 * c1 - x2 * s1).to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(dst_ptr.dtype.element_ty), mask=mask)
+    y1 = _stored((x1 * c1 - x2 * s1).to(src_ptr.dtype.element_ty), SATURATE, FP8_MAX)
+    y2 = _stored((x2 * c2 + x1 * s2).to(src_ptr.dtype.element_ty), SATURATE, FP8_MAX)
+    tl.store(dst, y1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stored(x, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as written to a cache: clamped to the FP8 range first where SATURATE (as write_kv)."""
+    if SATURATE:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t's cos and sin halves as [1, BLOCK] float32 rows, and the lane index."""
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)[None, :]
+    return c1, c2, s1, s2, i
 
 
 @triton.jit
@@ -52,12 +80,7 @@ def _rope_kernel(
     prefill step of 8,192 tokens, took 5x the kernel's bytes' bound)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    mask = i < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=mask).to(tl.float32)[None, :]
+    c1, c2, s1, s2, i = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK)
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
     if j < q_blocks:
         _rope_heads(
@@ -69,6 +92,43 @@ def _rope_kernel(
             k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, num_k_heads,
             (j - q_blocks) * BLOCK_H, c1, c2, s1, s2, i, HALF, BLOCK_H,
         )  # fmt: skip
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_qot, stride_qoh, stride_cb, stride_cs, stride_ch, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """Program (t, j): token t's q heads [j * BLOCK_H, ...) rotated into qo while j < q_blocks,
+    then its k heads rotated into their cache slot and its v heads copied into theirs (the
+    cache writes skipped for padding tokens, slot -1). Caches: [blocks, BLOCK_SIZE, Hkv, D]."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    c1, c2, s1, s2, i = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if j < q_blocks:
+        _rope_heads(
+            q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
+            j * BLOCK_H, c1, c2, s1, s2, i, HALF, BLOCK_H,
+        )  # fmt: skip
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            h0 = (j - q_blocks) * BLOCK_H
+            _rope_heads(
+                k_ptr + t * stride_kt, k_cache_ptr + at, stride_kh, stride_ch, num_kv_heads,
+                h0, c1, c2, s1, s2, i, HALF, BLOCK_H, SATURATE, FP8_MAX,
+            )  # fmt: skip
+            h = h0 + tl.arange(0, BLOCK_H)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+            mask = (h < num_kv_heads) & (d < 2 * HALF)
+            x = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+            dst = v_cache_ptr + at + h * stride_ch + d
+            tl.store(dst, _stored(x, SATURATE, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 ROPE_BLOCK_H = 8  # heads per program of _rope_kernel
@@ -98,3 +158,40 @@ def rope_qk(
             BLOCK_H=ROPE_BLOCK_H,
         )  # fmt: skip
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rope_qk() of q [T, Hq, D] and k [T, Hkv, D] with write_kv() of the rotated k and of v
+    [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D], in one launch: returns the
+    rotated q [T, Hq, D]; k's rotation exists only in the cache. Values are what rope_qk then
+    write_kv store, bit for bit. cos/sin: [1, T, D] or [T, D]; every last dim contiguous."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if v.shape != k.shape or k_cache.shape != v_cache.shape or k.shape[0] != tokens:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if k_cache.shape[2:] != (kv_heads, dim) or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold k {tuple(k.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, k_cache)) or dim % 2:
+        raise ValueError("rope_write_kv needs contiguous last dims and an even head size")
+    q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(kv_heads, ROPE_BLOCK_H)
+    if tokens:
+        _rope_kv_write_kernel[(tokens, blocks)](
+            q, k, v, cos2, sin2, q_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos2.stride(0), q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
+            q_heads, kv_heads, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
+            BLOCK_H=ROPE_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_SIZE=k_cache.shape[1], SATURATE=k_cache.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX,
+        )  # fmt: skip
+    return q_out
