@@ -110,18 +110,20 @@ def test_rope_write_kv_into_fp8_cache_is_rope_then_write_kv() -> None:
     tk.check_rope_write_kv(case)
 
 
-# compiles the fused rotary + KV write for sm_90 in a process without the interpreter
+# compiles the rotary kernel (alone, or writing a cache) for sm_90 in a process without the
+# interpreter
 HOPPER_COMPILE = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from batchgen.engine.kernels.rotary import _rope_kv_write_kernel as kernel
+from batchgen.engine.kernels.rotary import _rope_kernel as kernel
 
-cache = sys.argv[1]
+cache, into = sys.argv[1], sys.argv[2]
 types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr"), "*bf16")
-types.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, slot_ptr="*i64")
-consts = dict(HALF=64, BLOCK=64, BLOCK_H=8, BLOCK_D=128, BLOCK_SIZE=16, FP8_MAX=448.0)
+types.update(ko_ptr="*" + cache, vo_ptr="*" + cache, slot_ptr="*i64")
+consts = dict(HALF=64, BLOCK=64, BLOCK_H=8, BLOCK_D=128, FP8_MAX=448.0)
+consts.update(CACHE=into == "cache", BLOCK_SIZE=16 if into == "cache" else 1)
 consts["SATURATE"] = cache == "fp8e4nv"
 names = kernel.arg_names
 signature = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
@@ -130,13 +132,15 @@ triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda"
 """
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
-def test_rope_write_kv_compiles_for_hopper(cache: str) -> None:
+@pytest.mark.parametrize(
+    ("cache", "into"), [("bf16", "rows"), ("bf16", "cache"), ("fp8e4nv", "cache")]
+)
+def test_rotary_kernel_compiles_for_hopper(cache: str, into: str) -> None:
     """The interpreter runs code the compiler refuses (a constexpr branch returning another
     dtype did, and only the GPU run found it): compiled here for sm_90, no GPU needed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", HOPPER_COMPILE, cache],
+        [sys.executable, "-c", HOPPER_COMPILE, cache, into],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

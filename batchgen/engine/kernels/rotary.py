@@ -54,57 +54,19 @@ def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    cos_ptr,
-    sin_ptr,
-    qo_ptr,
-    ko_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_ct,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
-    num_q_heads,
-    num_k_heads,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Program (t, j): token t, q heads [j * BLOCK_H, ...) while j < q_blocks, then k heads.
-    cos/sin are read once per program (one program per head and token, 327k programs per 8b
-    prefill step of 8,192 tokens, took 5x the kernel's bytes' bound)."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    c1, c2, s1, s2, i = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK)
-    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
-    if j < q_blocks:
-        _rope_heads(
-            q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
-            j * BLOCK_H, c1, c2, s1, s2, i, HALF, BLOCK_H,
-        )  # fmt: skip
-    else:
-        _rope_heads(
-            k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, num_k_heads,
-            (j - q_blocks) * BLOCK_H, c1, c2, s1, s2, i, HALF, BLOCK_H,
-        )  # fmt: skip
-
-
-@triton.jit
-def _rope_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_qot, stride_qoh, stride_cb, stride_cs, stride_ch, num_q_heads, num_kv_heads,
+    stride_qot, stride_qoh, stride_kob, stride_kos, stride_koh, num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr,
+    CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """Program (t, j): token t's q heads [j * BLOCK_H, ...) rotated into qo while j < q_blocks,
-    then its k heads rotated into their cache slot and its v heads copied into theirs (the
-    cache writes skipped for padding tokens, slot -1). Caches: [blocks, BLOCK_SIZE, Hkv, D]."""
+    then its k heads rotated into ko: its row t (stride_kob), or with CACHE its cache slot
+    (ko, vo: [blocks, BLOCK_SIZE, Hkv, D] caches; slot -1, a padding token, writes nothing),
+    where its v heads are copied too. cos/sin are read once per program (one program per
+    head and token, 327k programs per 8b prefill step of 8,192 tokens, took 5x the kernel's
+    bytes' bound)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c1, c2, s1, s2, i = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF, BLOCK)
@@ -114,21 +76,25 @@ def _rope_kv_write_kernel(
             q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads,
             j * BLOCK_H, c1, c2, s1, s2, i, HALF, BLOCK_H,
         )  # fmt: skip
-    else:
+        return
+    h0 = (j - q_blocks) * BLOCK_H
+    at = t * stride_kob
+    if CACHE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            h0 = (j - q_blocks) * BLOCK_H
-            _rope_heads(
-                k_ptr + t * stride_kt, k_cache_ptr + at, stride_kh, stride_ch, num_kv_heads,
-                h0, c1, c2, s1, s2, i, HALF, BLOCK_H, SATURATE, FP8_MAX,
-            )  # fmt: skip
-            h = h0 + tl.arange(0, BLOCK_H)[:, None]
-            d = tl.arange(0, BLOCK_D)[None, :]
-            mask = (h < num_kv_heads) & (d < 2 * HALF)
-            x = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-            dst = v_cache_ptr + at + h * stride_ch + d
-            tl.store(dst, _stored(x, SATURATE, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if slot < 0:
+            return
+        at = (slot // BLOCK_SIZE) * stride_kob + (slot % BLOCK_SIZE) * stride_kos
+    _rope_heads(
+        k_ptr + t * stride_kt, ko_ptr + at, stride_kh, stride_koh, num_k_heads, h0,
+        c1, c2, s1, s2, i, HALF, BLOCK_H, SATURATE, FP8_MAX,
+    )  # fmt: skip
+    if CACHE:
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_k_heads) & (d < 2 * HALF)
+        x = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        dst = vo_ptr + at + h * stride_koh + d
+        tl.store(dst, _stored(x, SATURATE, FP8_MAX).to(vo_ptr.dtype.element_ty), mask=mask)
 
 
 ROPE_BLOCK_H = 8  # heads per program of _rope_kernel
@@ -145,19 +111,11 @@ def rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rope() of q [1, Hq, T, D] and k [1, Hk, T, D] in one launch (same dtype)."""
     _, q_heads, tokens, dim = q.shape
-    k_heads = k.shape[1]
-    q_out = torch.empty((1, tokens, q_heads, dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((1, tokens, k_heads, dim), dtype=k.dtype, device=k.device)
-    cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(k_heads, ROPE_BLOCK_H)
-    if tokens and blocks:
-        _rope_kernel[(tokens, blocks)](
-            q, k, cos2, sin2, q_out, k_out, q.stride(2), q.stride(1), k.stride(2), k.stride(1),
-            cos2.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(1), k_out.stride(2),
-            q_heads, k_heads, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
-            BLOCK_H=ROPE_BLOCK_H,
-        )  # fmt: skip
-    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, k.shape[1], dim), dtype=k.dtype, device=k.device)
+    if tokens:  # k_out as a "cache" of one-token blocks, token t in block t
+        _launch(q[0].transpose(0, 1), k[0].transpose(0, 1), None, cos, sin, q_out, k_out[:, None])
+    return q_out[None].transpose(1, 2), k_out[None].transpose(1, 2)
 
 
 def rope_write_kv(
@@ -175,23 +133,38 @@ def rope_write_kv(
     rotated q [T, Hq, D]; k's rotation exists only in the cache. Values are what rope_qk then
     write_kv store, bit for bit. cos/sin: [1, T, D] or [T, D]; every last dim contiguous."""
     tokens, q_heads, dim = q.shape
-    kv_heads = k.shape[1]
     if v.shape != k.shape or k_cache.shape != v_cache.shape or k.shape[0] != tokens:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
-    if k_cache.shape[2:] != (kv_heads, dim) or k_cache.stride() != v_cache.stride():
+    if k_cache.shape[2:] != k.shape[1:] or k_cache.stride() != v_cache.stride():
         raise ValueError(f"cache {tuple(k_cache.shape)} does not hold k {tuple(k.shape)}")
     if any(x.stride(-1) != 1 for x in (q, k, v, k_cache)) or dim % 2:
         raise ValueError("rope_write_kv needs contiguous last dims and an even head size")
     q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
-    cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(kv_heads, ROPE_BLOCK_H)
     if tokens:
-        _rope_kv_write_kernel[(tokens, blocks)](
-            q, k, v, cos2, sin2, q_out, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos2.stride(0), q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
-            q_heads, kv_heads, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
-            BLOCK_H=ROPE_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
-            BLOCK_SIZE=k_cache.shape[1], SATURATE=k_cache.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX,
-        )  # fmt: skip
+        _launch(q, k, (v, v_cache, slot_mapping), cos, sin, q_out, k_cache)
     return q_out
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_dst: torch.Tensor,
+) -> None:
+    """_rope_kernel: q [T, Hq, D] rotated into q_out, k [T, Hk, D] into k_dst [blocks,
+    block_size, Hk, D]: at row t (values None: k_dst holds one token per block), or at each
+    token's slot with v copied likewise (values: v, v's cache, slots)."""
+    tokens, q_heads, dim = q.shape
+    v, v_dst, slots = values if values is not None else (k, k_dst, k)  # unread without CACHE
+    cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(k.shape[1], ROPE_BLOCK_H)
+    _rope_kernel[(tokens, blocks)](
+        q, k, v, cos2, sin2, q_out, k_dst, v_dst, slots, *q.stride()[:2], *k.stride()[:2],
+        *v.stride()[:2], cos2.stride(0), *q_out.stride()[:2], *k_dst.stride()[:3], q_heads,
+        k.shape[1], HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
+        BLOCK_H=ROPE_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim), CACHE=values is not None,
+        BLOCK_SIZE=k_dst.shape[1], SATURATE=k_dst.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX,
+    )  # fmt: skip
