@@ -5,6 +5,7 @@ graphs), and loading pre-quantized checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -175,6 +176,26 @@ def test_engine_fp8_on_cpu_warns_and_matches_its_own_model(model_dir, kv: str) -
         assert ids[len(prompt) :] == tokens
     assert engine.runner.kv_cache.keys[0].dtype == (FP8_DTYPE if kv == "fp8" else torch.float32)
     engine.close()
+
+
+def test_fp8_kv_cache_refuses_keys_beyond_its_range(model_dir) -> None:
+    """Keys beyond +-448 would be stored saturated in an FP8 cache (scale 1), and the check's
+    reference rounds them the same way, so the outputs agree: the check refuses them by their
+    range instead, in one line; the same model runs with a 16-bit cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(5000.0)
+    config = EngineConfig(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=32)
+    with pytest.raises(BatchgenError) as refused:
+        Engine(model, config)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.search(r"keys reach [\d.e+]+ \(layer 1\), beyond the FP8 cache's \+-448", message)
+    assert "kv_cache_dtype='auto'" in message
+    with Engine(model, EngineConfig(device="cpu", num_kv_blocks=32)) as engine:
+        assert engine.kv_dtype == torch.float32
 
 
 def test_fp8_probe_refuses_a_wrong_attention(model_dir, monkeypatch) -> None:

@@ -10,7 +10,9 @@ FP8: the model's own forward pass runs the same FP8 Linear layers (quantization 
 model being checked, not an error of batchgen's), with activations unquantized during the
 probe and the quantized product checked on its own (batchgen.engine.quant.check says why);
 with an FP8 KV cache its eager attention sees keys and values rounded as the cache stores
-them. What FP8 costs against the 16-bit model is measured elsewhere (the benchmark's
+them, and a model whose keys or values on the probe input reach beyond the cache's range
+(+-448 at scale 1: stored saturated, so both passes would agree on wrong values) is refused.
+What FP8 costs against the 16-bit model is measured elsewhere (the benchmark's
 agreement and KL), not here.
 The probe: fixed random prompts prefilled together in one step, then decoded a few steps, so
 the packed prefill, the paged cache and the decode path are all compared.
@@ -19,6 +21,7 @@ the packed prefill, the paged cache and the decode path are all compared.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from batchgen.engine.attention import attention_audit, attention_scope
 from batchgen.engine.quant.check import fp8_probe_mode, fp8_product_error
 from batchgen.engine.quant.convert import is_quantized
-from batchgen.engine.quant.fp8 import FP8_DTYPE, round_to_fp8
+from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, round_to_fp8
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
@@ -44,6 +47,10 @@ RELEVANT_LOGPROB = -12.0  # entries less likely than this are rounding noise in 
 TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6}  # |logprob difference| allowed
 TOLERANCE_16BIT = 0.6
 FP8_KV_REFERENCE = "batchgen-fp8-kv-eager"  # the reference attention for an FP8 KV cache
+# while the check's reference pass runs over an FP8 cache: (largest |key| or |value|, what, layer)
+_KV_PEAK: contextvars.ContextVar[list[tuple[float, str, int]] | None] = contextvars.ContextVar(
+    "batchgen_kv_peak", default=None
+)
 
 
 class ModelRefused(BatchgenError):
@@ -85,7 +92,19 @@ def _compare(engine: Engine, family: str) -> None:
     failed = [o for o in outs if o.error]
     if failed:
         raise _refuse(family, f"the probe request failed ({failed[0].error})")
-    worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
+    peaks: list[tuple[float, str, int]] = []
+    token = _KV_PEAK.set(peaks)
+    try:
+        worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
+    finally:
+        _KV_PEAK.reset(token)
+    if peaks and max(peaks)[0] > FP8_MAX:
+        peak, what, layer = max(peaks)
+        raise _refuse(
+            family,
+            f"with kv_cache_dtype='fp8' its {what} reach {peak:.4g} (layer {layer}), beyond the "
+            f"FP8 cache's +-{FP8_MAX:g} (scale 1, no per-layer scales): use kv_cache_dtype='auto'",
+        )
     limit = TOLERANCE.get(engine.dtype, TOLERANCE_16BIT)
     if worst > limit:
         raise _refuse(
@@ -166,6 +185,14 @@ def _fp8_kv_eager(module: Any, query: Any, key: Any, value: Any, *args: Any, **k
     eager = getattr(modeling, "eager_attention_forward", None)
     if eager is None:  # a family without its own eager function: transformers' SDPA one
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as eager
+    peaks = _KV_PEAK.get()
+    if peaks is not None:  # the start-up check: what the cache would have to hold
+        layer = getattr(module, "layer_idx", -1)
+        peaks.extend(
+            (float(t.abs().amax()), what, layer)
+            for what, t in (("keys", key), ("values", value))
+            if t.numel()
+        )
     return eager(module, query, round_to_fp8(key), round_to_fp8(value), *args, **kwargs)
 
 
