@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from batchgen.bench import run
 from batchgen.bench.run import table
-from batchgen.bench.systems import RunResult, batchgen_name
+from batchgen.bench.systems import CudaTimeline, RunResult, batchgen_name, idle_breakdown
 from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
 from batchgen.cli import main
 from batchgen.engine import EngineConfig
@@ -88,3 +88,35 @@ def test_both_runs_each_loop_with_and_without_the_cache(monkeypatch) -> None:
         "batchgen synchronous", "batchgen synchronous, no prefix cache",
     ]  # fmt: skip
     assert list(infos) == ["overlap", "overlap, no prefix cache", "sync", "sync, no prefix cache"]
+
+
+class _At:
+    """A stand-in CUDA event recorded at time t (ms)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: _At) -> float:
+        return other.t - self.t
+
+
+def test_idle_breakdown_puts_each_gap_where_it_falls() -> None:
+    timeline = CudaTimeline()
+    timeline.opened, timeline.closed = _At(0), _At(40)
+    timeline.steps = [  # (start, end, graphed): two eager steps, then three graphed ones
+        (_At(2), _At(10), False),
+        (_At(11), _At(20), False),
+        (_At(24), _At(27), True),
+        (_At(27.5), _At(30), True),
+        (_At(31), _At(33), True),
+    ]
+    idle = idle_breakdown(timeline)
+    assert idle == {
+        "before_first_step": 2.0,
+        "next_to_eager_steps": 5.0,  # 10 -> 11 and 20 -> 24
+        "between_decode_steps": 1.5,  # 27 -> 27.5 and 30 -> 31
+        "after_last_step": 7.0,
+    }
+    busy = sum(start.elapsed_time(end) for start, end, _ in timeline.steps)
+    assert busy + sum(idle.values()) == 40  # the run's span, all of it accounted for
+    assert idle_breakdown(CudaTimeline()) == {}  # nothing recorded: nothing to split

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from batchgen.bench.systems import CudaTimeline, gpu_idle_share, step_breakdown
+from batchgen.bench.systems import CudaTimeline, gpu_idle_share, idle_breakdown, step_breakdown
 from batchgen.bench.workloads import Shape
 from batchgen.engine import Engine, EngineConfig, SamplingParams
 
@@ -46,6 +46,7 @@ class PathResult(NamedTuple):
     busy_s: float  # GPU time inside the steps, all of them
     graphed_steps: int
     eager_steps: int  # prefill and mixed steps
+    idle_ms: dict[str, float]  # GPU idle by where it falls (systems.idle_breakdown)
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,7 +152,9 @@ def _engine_alone(engine: Engine, ids: list[list[int]], params: SamplingParams) 
     engine.runner.step_hook = timeline
     torch.cuda.synchronize()
     start = time.perf_counter()
+    timeline.open()
     tokens = sum(len(o.output_token_ids) for o in engine.generate(ids, params, decode=False))
+    timeline.close()
     torch.cuda.synchronize()
     end = time.perf_counter()
     engine.runner.step_hook = None
@@ -182,7 +185,9 @@ def _job(
     timeline = CudaTimeline()
     engine.runner.step_hook = timeline
     start = time.perf_counter()
+    timeline.open()
     result = run_job(spec, engine=engine)
+    timeline.close()
     end = time.perf_counter()
     engine.runner.step_hook = None
     summary = result.summary
@@ -206,6 +211,7 @@ def _result(
         sum(s.elapsed_time(e) for s, e, _ in timeline.steps) / 1e3,
         steps["graphed_steps"],
         steps["eager_steps"],
+        idle_breakdown(timeline),
     )
 
 
@@ -214,15 +220,18 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
     lines = [
         f"{shape}, {rows} rows x {new_tokens} new tokens, {vocab:,}-token vocabulary",
         "| path | output tok/s | x engine alone | GPU idle (steady decode) "
-        "| start -> first step s | last step -> end s | GPU busy s | steps graphed / eager |",
-        "|---|---|---|---|---|---|---|---|",
+        "| start -> first step s | last step -> end s | GPU busy s | steps graphed / eager "
+        "| GPU idle ms: before first step / next to eager steps / between decode steps / "
+        "after last step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         idle = "-" if r.gpu_idle_share is None else f"{100 * r.gpu_idle_share:.1f}%"
         ratio = r.tokens_per_s / alone.tokens_per_s
         lines.append(
             f"| {r.path} | {r.tokens_per_s:,.0f} | {ratio:.3f}x | {idle} | {r.head_s:.3f} "
-            f"| {r.tail_s:.3f} | {r.busy_s:.3f} | {r.graphed_steps} / {r.eager_steps} |"
+            f"| {r.tail_s:.3f} | {r.busy_s:.3f} | {r.graphed_steps} / {r.eager_steps} "
+            f"| {' / '.join(f'{v:.1f}' for v in r.idle_ms.values()) or '-'} |"
         )
     return "\n".join(lines)
 

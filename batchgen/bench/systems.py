@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -62,7 +63,9 @@ def run_batchgen(
     params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
+    timeline.open()
     outs = {int(o.request_id): o for o in engine.generate(prompts, params, decode=False)}
+    timeline.close()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = [outs[i].output_token_ids for i in range(len(prompts))]
@@ -74,6 +77,7 @@ def run_batchgen(
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
         **step_breakdown(timeline.steps, seconds),
+        "idle_ms": idle_breakdown(timeline),
     }
     idle = gpu_idle_share(timeline.steps)
     hit_rate = (engine.cache_stats - cached_before).hit_rate
@@ -99,6 +103,14 @@ class CudaTimeline:
         self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
         self.first_launch: float | None = None  # perf_counter of the first step's launch
         self.last_launch: float | None = None  # ... and of the last step's
+        self.opened: torch.cuda.Event | None = None  # the run's start and end on the device
+        self.closed: torch.cuda.Event | None = None
+
+    def open(self) -> None:
+        self.opened = _event()
+
+    def close(self) -> None:
+        self.closed = _event()
 
     def begin(self) -> torch.cuda.Event:
         now = time.perf_counter()
@@ -126,6 +138,28 @@ def step_breakdown(timeline: list, wall_s: float) -> dict:
         "eager_steps": len(eager),
         "eager_s": round(sum(eager) / 1e3, 3),
         "gpu_busy_share": round((sum(graphed) + sum(eager)) / 1e3 / wall_s, 3),
+    }
+
+
+def idle_breakdown(timeline: CudaTimeline) -> dict[str, float]:
+    """The run's GPU idle time (ms) by where it falls: before the first step, in the gaps next
+    to an eager (prefill or mixed) step, between graphed decode steps, after the last step.
+    Their sum and the steps' own time make up the run's device time between open and close."""
+    steps = timeline.steps
+    if not steps or timeline.opened is None or timeline.closed is None:
+        return {}
+    near_eager = between_decodes = 0.0
+    for (_, end, graphed), (start, _, next_graphed) in pairwise(steps):
+        gap = end.elapsed_time(start)
+        if graphed and next_graphed:
+            between_decodes += gap
+        else:
+            near_eager += gap
+    return {
+        "before_first_step": round(timeline.opened.elapsed_time(steps[0][0]), 1),
+        "next_to_eager_steps": round(near_eager, 1),
+        "between_decode_steps": round(between_decodes, 1),
+        "after_last_step": round(steps[-1][1].elapsed_time(timeline.closed), 1),
     }
 
 
