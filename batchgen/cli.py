@@ -180,14 +180,19 @@ def run(
     flags = (("runtime.quiet=true",) if quiet else ()) + (
         ("runtime.profile=true",) if profile else ()
     )
+    server = None
     try:
         spec = _load(job, sets + flags, shortcuts)
+        server = _early_engine_server(spec, place)
         stop = threading.Event()
         received: list[int] = []
         with _stop_on_signals(stop, received, echo=lead):
-            result = _run(spec, place, force_resume, stop)
+            result = _run(spec, place, force_resume, stop, server)
     except BatchgenError as exc:
         _fail(exc)
+    finally:
+        if server is not None:
+            server.close()
     if lead:
         click.echo(json.dumps(result.summary.to_dict(), indent=2))
     if result.stopped_by is not None:
@@ -221,13 +226,27 @@ def run(
         sys.exit(128 + (received[0] if received else signal.SIGINT))
 
 
-def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event) -> Any:
+def _early_engine_server(spec: Any, place: Any) -> Any:
+    """A job whose engine will likely get a process of its own (a GPU is visible) starts that
+    process now: it imports torch and the engine while this one imports the job's modules."""
+    from batchgen.engine.remote.client import EngineServer, gpu_visible
+
+    if place is not None and place.world_size > 1:
+        return None
+    cuda = spec.engine.device != "cpu" and gpu_visible()
+    return EngineServer() if spec.pipeline.own_engine_process(cuda) else None
+
+
+def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event, server: Any) -> Any:
     """The job alone, or this process's rank of it (a place in a world of several)."""
     if place is None or place.world_size == 1:
         from batchgen.job import run_job
         from batchgen.summary import process_age_s
 
-        return run_job(spec, force_resume=force_resume, stop=stop, process_s=process_age_s())
+        return run_job(
+            spec, force_resume=force_resume, stop=stop, process_s=process_age_s(),
+            engine_server=server,
+        )  # fmt: skip
     import torch
 
     from batchgen.data_parallel import run_ranks

@@ -28,6 +28,7 @@ from batchgen.engine.model_loader import (
     resolve_model_path,
 )
 from batchgen.engine.prefix_cache import CacheStats
+from batchgen.engine.remote.client import EngineProcess, EngineServer
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles
@@ -141,8 +142,17 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     return out
 
 
-def load_engine(spec: JobSpec) -> Engine:
-    """The job's engine; transformers' own progress bars follow runtime.quiet while it loads."""
+def load_engine(
+    spec: JobSpec, data_parallel: bool = False, server: EngineServer | None = None
+) -> Engine | EngineProcess:
+    """The job's engine, in a process of its own (started here, or the early `server`) or in
+    this one (PipelineConfig.own_engine_process); transformers' progress bars follow
+    runtime.quiet while it loads. A server the engine does not use is closed."""
+    cuda = resolve_device(spec.engine).type == "cuda"
+    if spec.pipeline.own_engine_process(cuda, data_parallel):
+        return EngineProcess(spec.model.path, spec.engine, quiet=spec.pipeline.quiet, server=server)
+    if server is not None:
+        server.close()
     with hf_progress_bars(shown=not spec.pipeline.quiet):
         return Engine(spec.model.path, spec.engine)
 
@@ -157,12 +167,15 @@ def run_job(
     hooks: Hooks = NO_HOOKS,
     note: Callable[[str], None] | None = None,
     process_s: float | None = None,
+    engine_server: EngineServer | None = None,
 ) -> JobResult:
     """Run (or resume) a job to completion, or until `stop` is set.
 
     engine: a loaded engine to use (kept loaded afterwards); source: see check_job;
     note: where warnings go (default: stderr); process_s: the process's age when the caller
-    began the job (the CLI's; reported as the first start-up phase).
+    began the job (the CLI's; reported as the first start-up phase); engine_server: an
+    EngineServer the caller started early, for the job's engine if that gets a process of its
+    own (the caller closes it after the job: a no-op once the engine has taken and closed it).
     """
     note = note or _to_stderr
     started = time.perf_counter()
@@ -177,30 +190,53 @@ def run_job(
         check_resumable(layout, previous, current, ("settings", "input"), force_resume)
         startup = {} if process_s is None else {"process": process_s}
         startup["checks"] = round(time.perf_counter() - started, 3)
-        if engine is None:
-            engine = load_engine(spec)
-            startup |= engine.startup_s
-        if engine.tokenizer is None:
-            raise BatchgenError(
-                f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one"
-            )
-        try:  # a job-wide schema that cannot be compiled is one error, not one per row
-            engine.check_grammar(spec.sampling)
-        except ValueError as exc:
-            raise BatchgenError(f"[sampling] {exc}") from None
-        current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
-        check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
-        resuming = claim(layout, spec, current, previous)
-        remove_temp_files(layout)
-        committed = scan_committed(layout, note)
-        columns = job_columns(spec, source)
-        if resuming and fingerprint is None and committed.indexes and hooks.verify_rows:
-            verify_rows(spec, source, committed)
-        if hooks.on_start is not None:
-            hooks.on_start(layout, committed)
-        return _run(
-            spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
-        )
+        if engine is not None:
+            return _with_engine(spec, engine, layout, previous, current, source, lock,
+                                startup, force_resume, stop, hooks, note)  # fmt: skip
+        engine = load_engine(spec, server=engine_server)
+        startup |= engine.startup_s
+        try:
+            return _with_engine(spec, engine, layout, previous, current, source, lock,
+                                startup, force_resume, stop, hooks, note)  # fmt: skip
+        finally:
+            engine.close()  # the job's own engine: its memory (and process) go now
+
+
+def _with_engine(
+    spec: JobSpec,
+    engine: Engine | EngineProcess,
+    layout: OutputLayout,
+    previous: Manifest | None,
+    current: dict[str, Any],
+    source: InputSource,
+    lock: OutputLock,
+    startup: dict[str, float],
+    force_resume: bool,
+    stop: threading.Event | None,
+    hooks: Hooks,
+    note: Callable[[str], None],
+) -> JobResult:
+    """The job once its engine is loaded: the model's identity checked, the manifest claimed,
+    then the pipeline."""
+    if engine.tokenizer is None:
+        raise BatchgenError(f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one")
+    try:  # a job-wide schema that cannot be compiled is one error, not one per row
+        engine.check_grammar(spec.sampling)
+    except ValueError as exc:
+        raise BatchgenError(f"[sampling] {exc}") from None
+    current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
+    check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
+    resuming = claim(layout, spec, current, previous)
+    remove_temp_files(layout)
+    committed = scan_committed(layout, note)
+    columns = job_columns(spec, source)
+    if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:
+        verify_rows(spec, source, committed)
+    if hooks.on_start is not None:
+        hooks.on_start(layout, committed)
+    return _run(
+        spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
+    )
 
 
 def _run(
@@ -425,6 +461,12 @@ def _start_profile(
 ) -> Any:
     """A step recorder on the engine for this run (imported only when a job profiles)."""
     from batchgen.profile.recorder import Gauges, StepRecorder
+
+    if not isinstance(engine, Engine):
+        raise BatchgenError(
+            "runtime.profile records the engine's steps in the job's process, and this job's "
+            "engine runs in a process of its own: give the job an Engine to profile it"
+        )
 
     gauges = Gauges(producer.ready_rows, consumer.lag)
     return StepRecorder(engine, layout.profile_steps(run), run, gauges).attach()

@@ -92,7 +92,7 @@ def start_rank(
     loaded: list[Engine] = []
 
     def load() -> dict[str, Any]:
-        engine = load_engine(mine)
+        engine = load_engine(mine, data_parallel=True)
         loaded.append(engine)
         if engine.tokenizer is None:
             raise BatchgenError(

@@ -20,7 +20,7 @@ from typing import Any
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, check_field
 from batchgen.io import InputConfig, OutputConfig
 from batchgen.io.fs import scheme_of
 from batchgen.prompts import PromptConfig
@@ -45,6 +45,9 @@ class ModelConfig:
         return self.served_model_name or (self.path,)
 
 
+ENGINE_PLACES = ("auto", "process", "thread")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts ahead of the engine
@@ -65,6 +68,13 @@ class PipelineConfig:
     heartbeat_timeout_s: float = 60.0
     # record every engine step into <output>/profile/ for `batchgen report` (changes no row)
     profile: bool = False
+    # where the engine runs: "process" = a process of its own, so no reader, tokenizer or
+    # writer thread of the job's process ever holds the GIL its loop needs; "thread" = the
+    # job's process; "auto" = its own process on a GPU, the job's on the CPU (where the
+    # engine's compute, not the GIL, sets the pace, and two processes share few cores), when
+    # the job profiles (the step recorder reads the engine in the job's process) and in the
+    # ranks of a data-parallel job
+    engine_process: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
@@ -79,6 +89,24 @@ class PipelineConfig:
             raise ValueError(f"rank_timeout_s={self.rank_timeout_s} must be > 0")
         if self.heartbeat_timeout_s < 2:
             raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 2")
+        check_field(
+            self.engine_process in ENGINE_PLACES,
+            "engine_process",
+            self.engine_process,
+            " or ".join(ENGINE_PLACES),
+        )
+        if self.engine_process == "process" and self.profile:
+            raise ValueError(
+                "profile=true records the engine's steps in the job's own process: set "
+                "engine_process = 'auto' or 'thread' to profile"
+            )
+
+    def own_engine_process(self, cuda: bool, data_parallel: bool = False) -> bool:
+        """Whether the engine runs in a process of its own (engine_process; "auto": on a
+        GPU, unless the job profiles or is a data-parallel rank, whose engine stays in it)."""
+        if self.engine_process != "auto":
+            return self.engine_process == "process"
+        return cuda and not self.profile and not data_parallel
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""The job path against the bare engine, on the same text prompts in one process.
+"""The job path against the bare engine, on the same text prompts.
 
 A 32k-vocabulary byte-level BPE is trained on English text that ships with Python (the
 language reference in `pydoc_data`) and cached in $BATCHGEN_HOME. Text prompts cut from that
-text are written to a Parquet file; one engine (a random-weight Llama of the shape with the
-tokenizer's vocabulary) runs them twice: as token ids through `Engine.generate`, and as a real
-job (Parquet reader, tokenizer threads, engine, detokenizer, shard writer, final file).
+text are written to a Parquet file, and a random-weight Llama of the shape with the tokenizer's
+vocabulary to a model folder. An engine on that folder runs the prompts as token ids through
+`Engine.generate` (the engine alone), then as a real job (Parquet reader, tokenizer threads,
+engine, detokenizer, shard writer, final file) in this process; then a job runs them with its
+engine in a process of its own (EngineProcess, what `batchgen run` does on a GPU). Each engine
+warms up on every prompt first and starts each timed path with an empty prefix cache.
 """
 
 from __future__ import annotations
@@ -16,24 +19,30 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from batchgen.bench.systems import CudaTimeline, gpu_idle_share, idle_breakdown, step_breakdown
+from batchgen.bench.systems import CudaTimeline
 from batchgen.bench.workloads import Shape
 from batchgen.engine import Engine, EngineConfig, SamplingParams
+from batchgen.engine.remote.client import EngineProcess
 
 VOCAB = 32768
-# the job paths run: the job's defaults (tokenizing and decoding on threads of the engine's
-# process), and with tokenizer processes
-JOB_PATHS = {
-    "job path (text Parquet -> shards)": {},
-    "job path, 2 tokenizer processes": {"runtime.tokenizer_processes": 2},
+# the job paths run in this process: the engine in the job's process, tokenizing and decoding
+# on its threads, and with tokenizer processes
+IN_PROCESS_PATHS = {
+    "job path, engine in the job's process": {"runtime.engine_process": "thread"},
+    "same, 2 tokenizer processes": {
+        "runtime.engine_process": "thread",
+        "runtime.tokenizer_processes": 2,
+    },
 }
+OWN_PROCESS_PATH = "job path, engine in its own process (the default on a GPU)"
+TIMELINE = "batchgen.bench.systems:CudaTimeline"  # the step hook an EngineProcess makes
 
 
 class PathResult(NamedTuple):
@@ -126,25 +135,40 @@ def build_model(shape: Shape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCau
 def run_paths(
     shape: Shape, rows: int, new_tokens: int, lengths: tuple[int, int], config: EngineConfig
 ) -> tuple[list[PathResult], int]:
-    """-> ([engine alone, *the JOB_PATHS], vocabulary) on the same prompts, one engine."""
+    """-> ([engine alone, the in-process job paths, the own-process one], vocabulary) on the
+    same prompts and the same saved model."""
     from batchgen.home import batchgen_home
 
     tokenizer = bench_tokenizer(batchgen_home())
     texts = text_prompts(tokenizer, rows, lengths)
-    engine = Engine(build_model(shape, tokenizer), config, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ids = [tokenizer(t).input_ids for t in texts]
-    # warm-up on every prompt: Triton compiles each prefill variant the timed runs launch
-    # (a 64-row warm-up left the first timed path paying compiles the later ones did not)
-    list(engine.generate(ids, params.replace(max_new_tokens=2), decode=False))
-    engine.blocks.clear_cache()  # no path starts with prompts another one cached
-    results = [_engine_alone(engine, ids, params)]
-    for name, settings in JOB_PATHS.items():
-        engine.blocks.clear_cache()
-        with tempfile.TemporaryDirectory() as tmp:
-            results.append(_job(engine, texts, params, Path(tmp), name, settings))
-    engine.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        folder = save_model(shape, tokenizer, work / "model")
+        pq.write_table(pa.table({"prompt": texts}), work / "prompts.parquet")
+        engine = Engine(str(folder), config)
+        _warm_up(engine, ids, params)
+        results = [_engine_alone(engine, ids, params)]
+        for name, settings in IN_PROCESS_PATHS.items():
+            engine.blocks.clear_cache()  # no path starts with prompts another one cached
+            results.append(_job(engine, work, params, name, settings))
+        engine.close()
+        del engine
+        with EngineProcess(str(folder), config, quiet=True, step_hook=TIMELINE) as served:
+            _warm_up(served, ids, params)
+            served.clear_prefix_cache()
+            settings = {"runtime.engine_process": "process"}
+            results.append(_job(served, work, params, OWN_PROCESS_PATH, settings))
     return results, len(tokenizer)
+
+
+def _warm_up(engine: Any, ids: list[list[int]], params: SamplingParams) -> None:
+    """Every prompt, two tokens each: Triton compiles each prefill variant the timed runs
+    launch (a 64-row warm-up left the first timed path paying compiles the later ones did not)."""
+    list(engine.generate(ids, params.replace(max_new_tokens=2), decode=False))
+    if isinstance(engine, Engine):
+        engine.blocks.clear_cache()
 
 
 def _engine_alone(engine: Engine, ids: list[list[int]], params: SamplingParams) -> PathResult:
@@ -158,60 +182,63 @@ def _engine_alone(engine: Engine, ids: list[list[int]], params: SamplingParams) 
     torch.cuda.synchronize()
     end = time.perf_counter()
     engine.runner.step_hook = None
-    return _result("engine alone (token ids)", end - start, tokens, timeline, start, end)
+    return _result("engine alone (token ids)", start, end, tokens, timeline.report(end - start))
 
 
 def _job(
-    engine: Engine,
-    texts: list[str],
+    engine: Engine | EngineProcess,
+    work: Path,
     params: SamplingParams,
-    tmp: Path,
     name: str,
     settings: dict[str, object],
 ) -> PathResult:
+    """One job over work/prompts.parquet on `engine` (its step timeline: in this process for
+    an Engine, in the server for an EngineProcess, which made it at start)."""
     from batchgen.job import run_job
     from batchgen.spec import load_spec
 
-    pq.write_table(pa.table({"prompt": texts}), tmp / "prompts.parquet")
+    out = work / f"out-{len(list(work.glob('out-*')))}"
     values = {
-        "input.path": str(tmp / "prompts.parquet"),
-        "output.dir": str(tmp / "out"),
+        "input.path": str(work / "prompts.parquet"),
+        "output.dir": str(out),
         "sampling.max_new_tokens": params.max_new_tokens,
         "sampling.ignore_eos": True,
         "runtime.quiet": True,
         **settings,
     }
     spec = load_spec(None, values=values)
-    timeline = CudaTimeline()
-    engine.runner.step_hook = timeline
+    timeline = CudaTimeline() if isinstance(engine, Engine) else None
+    if timeline is not None:
+        engine.runner.step_hook = timeline
+        timeline.open()
     start = time.perf_counter()
-    timeline.open()
     result = run_job(spec, engine=engine)
-    timeline.close()
     end = time.perf_counter()
-    engine.runner.step_hook = None
+    if timeline is not None:
+        timeline.close()
+        engine.runner.step_hook = None
+        report = timeline.report(end - start)
+    else:
+        report = engine.step_report
     summary = result.summary
     if not result.complete or summary.rows_error:
         raise RuntimeError(f"the benchmark job did not complete cleanly: {summary}")
-    torch.cuda.synchronize()
-    return _result(name, end - start, summary.generated_tokens, timeline, start, end)
+    return _result(name, start, end, summary.generated_tokens, report)
 
 
-def _result(
-    name: str, seconds: float, tokens: int, timeline: CudaTimeline, start: float, end: float
-) -> PathResult:
-    steps = step_breakdown(timeline.steps, seconds)
+def _result(name: str, start: float, end: float, tokens: int, report: dict) -> PathResult:
+    """report: CudaTimeline.report()'s, of the same run."""
     return PathResult(
         name,
-        seconds,
+        end - start,
         tokens,
-        gpu_idle_share(timeline.steps),
-        timeline.first_launch - start,
-        end - timeline.last_launch,
-        sum(s.elapsed_time(e) for s, e, _ in timeline.steps) / 1e3,
-        steps["graphed_steps"],
-        steps["eager_steps"],
-        idle_breakdown(timeline),
+        report["gpu_idle_share"],
+        report["first_launch"] - start,
+        end - report["last_launch"],
+        report["busy_s"],
+        report["graphed_steps"],
+        report["eager_steps"],
+        report["idle_ms"],
     )
 
 
@@ -236,17 +263,24 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
     return "\n".join(lines)
 
 
+def save_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, folder: Path) -> Path:
+    """The random-weight model of the shape, saved with the tokenizer into folder."""
+    model = build_model(shape, tokenizer)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
 def write_model_folder(shape: str, folder: Path) -> Path:
     """A saved random-weight model of the shape with the 32k tokenizer (kept if it exists)."""
     from batchgen.bench.workloads import SHAPES
     from batchgen.home import batchgen_home
 
     if not (folder / "config.json").is_file():
-        tokenizer = bench_tokenizer(batchgen_home())
-        model = build_model(SHAPES[shape], tokenizer)
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_model(SHAPES[shape], bench_tokenizer(batchgen_home()), folder)
     return folder
 
 

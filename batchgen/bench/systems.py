@@ -107,10 +107,26 @@ class CudaTimeline:
         self.closed: torch.cuda.Event | None = None
 
     def open(self) -> None:
+        """A run begins: the steps recorded so far (a warm-up's) are dropped."""
+        self.steps, self.first_launch, self.last_launch = [], None, None
         self.opened = _event()
 
     def close(self) -> None:
         self.closed = _event()
+
+    def report(self, wall_s: float) -> dict:
+        """The run between open() and close(): its steps by kind, the GPU's idle share in
+        steady decode and where its idle time fell, its busy time, and the first and last
+        step's launch (perf_counter: the same clock in every process of the machine)."""
+        torch.cuda.synchronize()
+        return {
+            **step_breakdown(self.steps, wall_s),
+            "gpu_idle_share": gpu_idle_share(self.steps),
+            "idle_ms": idle_breakdown(self),
+            "busy_s": sum(s.elapsed_time(e) for s, e, _ in self.steps) / 1e3,
+            "first_launch": self.first_launch,
+            "last_launch": self.last_launch,
+        }
 
     def begin(self) -> torch.cuda.Event:
         now = time.perf_counter()

@@ -1,0 +1,311 @@
+"""The job's side of an engine in a process of its own.
+
+The engine thread launches every step from Python. In a job's process the reader, tokenizer
+and writer threads run Python too, and whenever one of them holds the GIL the engine thread
+waits for it (up to the switch interval) while the GPU idles; vLLM and SGLang run their engine
+loop apart from tokenization and detokenization for this reason. EngineProcess has
+`python -m batchgen.engine.remote.server` load the model and run Engine.generate; the job's
+process keeps the tokenizer, the reader and the writer. The pipes carry protocol.py's messages.
+
+Prompts are sent ahead of the engine by at most WINDOW_SEQS x max_num_seqs not yet taken, so
+the server always has some waiting while the job's queues keep their backpressure. The server
+exits when its stdin closes (this process ended, even by SIGKILL), and ignores SIGINT and
+SIGTERM: stopping is this side's to decide, after the step in flight is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.prefix_cache import CacheStats
+from batchgen.engine.remote.protocol import pack_prompt, receive, send
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.errors import BatchgenError
+
+if TYPE_CHECKING:  # the command line starts a server before torch is imported
+    from batchgen.engine.request import RequestOutput
+
+WINDOW_SEQS = 2  # prompts sent and not yet taken by the engine: at most this x max_num_seqs
+POLL_S = 0.05  # how often a waiting generate looks at its stop event
+PROMPT_POLL_S = 0.005  # ... and at its prompt source, when that had nothing ready
+CLOSE_WAIT_S = 30.0  # how long close() waits for the server to exit before killing it
+_END = object()
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows this process an NVIDIA GPU, without importing torch (a guess
+    made before torch is imported; torch has the last word)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus")
+
+
+class EngineServer:
+    """A started server process and its pipes. It imports the engine's modules as soon as it
+    starts, so a caller that starts it early (the command line, before its own imports) finds
+    them imported when it asks for a model."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "batchgen.engine.remote.server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._to = self.process.stdin
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.closed = False
+        threading.Thread(
+            target=self._read, args=(self.process.stdout,), name="batchgen-engine-answers",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def send(self, message: tuple) -> None:
+        try:
+            send(self._to, message)
+        except (OSError, ValueError) as exc:  # the server has ended: say how
+            raise self.failure(("eof",)) from exc
+
+    def next(self, wait: float) -> tuple | None:
+        """The next message, or None when none came within `wait` seconds."""
+        try:
+            return self.inbox.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def expect(self, kind: str) -> tuple:
+        message = self.inbox.get()
+        if message[0] != kind:
+            raise self.failure(message)
+        return message
+
+    def failure(self, message: tuple) -> BaseException:
+        """An "error" or end-of-pipe message as the exception to raise here."""
+        if message[0] == "error":
+            _, kind, text = message
+            if kind == "value":
+                return ValueError(text)
+            if kind == "batchgen":
+                return BatchgenError(text)
+            return RuntimeError(f"the engine process failed: {text} (its traceback is above)")
+        if message[0] == "eof":
+            self.inbox.put(message)  # every later call fails the same way
+            code = self.process.wait()
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return BatchgenError(
+                f"the engine process (pid {self.process.pid}) {how} before it finished: the "
+                "committed rows are kept; see its messages above, then run the same command "
+                "again to resume"
+            )
+        return RuntimeError(f"unexpected message from the engine process: {message[0]!r}")
+
+    def alive(self) -> bool:
+        return not self.closed and self.process.poll() is None
+
+    def close(self) -> None:
+        """Ask the server to exit (its memory, the GPU's included, goes with it); kill it if
+        it has not within CLOSE_WAIT_S."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(OSError, ValueError):
+            send(self._to, ("close",))
+        with contextlib.suppress(OSError, ValueError):
+            self._to.close()
+        try:
+            self.process.wait(CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        """The pipe from the server -> the inbox; ("eof",) once it is closed."""
+        try:
+            while True:
+                self.inbox.put(receive(pipe))
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self.inbox.put(("eof",))
+
+
+class EngineProcess:
+    """An Engine served by a process of its own, with the part of Engine's interface a job
+    uses: generate, has_unfinished, check_grammar, close, and the facts (tokenizer, config,
+    dtype, max_model_len, num_blocks, fingerprint, startup_s, cache_stats).
+
+    model: a model folder, a hub id or "default". server: an EngineServer started earlier (else
+    one starts here), owned by this object from now on. step_hook: "module:Class" of a runner
+    step hook the server makes (a benchmark's timeline); its report() after each generate call
+    is `step_report` here. Model-loading errors are raised here, in one line. startup_s: the
+    engine's own phases after "engine_process", the time from asking for the model until the
+    engine began loading it (the server's start and imports where not done yet, the pipes).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        config: EngineConfig | None = None,
+        *,
+        quiet: bool = False,
+        step_hook: str | None = None,
+        server: EngineServer | None = None,
+    ) -> None:
+        from batchgen.engine.model_loader import load_tokenizer, resolve_model_path
+
+        self.config = config or EngineConfig()
+        self._session = 0
+        self._taken = 0  # prompts of the current generate call the engine has taken
+        self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
+        self.cache_stats = CacheStats()
+        self.step_report: dict | None = None
+        started = time.perf_counter()
+        self.server = server
+        try:
+            source = resolve_model_path(model)  # a missing folder fails before a process starts
+            if self.server is None:
+                self.server = EngineServer()
+            self.server.send(("load", source, self.config, quiet, step_hook))
+            self.tokenizer = load_tokenizer(source)  # while the server loads the model
+            facts = self.server.expect("ready")[1]
+        except BaseException:
+            if self.server is not None:
+                self.server.close()
+            raise
+        import torch
+
+        self.dtype = getattr(torch, facts["dtype"])
+        self.max_model_len: int = facts["max_model_len"]
+        self.num_blocks: int = facts["num_blocks"]
+        self.fingerprint = facts["fingerprint"]
+        phases = facts["startup_s"]
+        rest = time.perf_counter() - started - sum(phases.values())
+        self.startup_s = {"engine_process": round(max(0.0, rest), 3), **phases}
+
+    def generate(
+        self,
+        prompts: Iterable[Any],
+        params: SamplingParams | None = None,
+        *,
+        decode: bool = True,
+        stop: Any = None,
+        check_outputs: bool = True,
+    ) -> Iterator[RequestOutput]:
+        """Engine.generate, served: prompts are pulled while the server's window has room (a
+        source may yield NOT_READY), results yielded as they come back. Once `stop` is set,
+        the server finishes the step in flight and drops what still runs."""
+        from batchgen.engine.engine import NOT_READY
+
+        self._check_open()
+        self._session += 1
+        session, self._taken, self._pending = self._session, 0, {}
+        self.server.send(("generate", session, params or SamplingParams(), decode, check_outputs))
+        window = WINDOW_SEQS * self.config.max_num_seqs
+        source, sent = iter(prompts), 0
+        ended = end_sent = stopping = done = False
+        try:
+            while True:
+                starved = False
+                rows = []
+                while not (ended or stopping) and sent + len(rows) - self._taken < window:
+                    item = next(source, _END)
+                    if item is _END:
+                        ended = True
+                    elif item is NOT_READY:
+                        starved = True
+                        break
+                    else:
+                        row, ids = pack_prompt(item, str(sent + len(rows)))
+                        self._pending[row[0]] = ids
+                        rows.append(row)
+                if rows:
+                    self.server.send(("prompts", session, rows))
+                    sent += len(rows)
+                if ended and not end_sent:
+                    self.server.send(("end", session))
+                    end_sent = True
+                if stop is not None and not stopping and stop.is_set():
+                    self.server.send(("stop", session))
+                    stopping = True
+                message = self.server.next(PROMPT_POLL_S if starved else POLL_S)
+                if message is None:
+                    continue
+                if message[0] == "done" and message[1] == session:
+                    self.cache_stats, self.step_report = message[2], message[3]
+                    done = True
+                    return
+                yield from self._results(message)
+        finally:
+            if not done:
+                self._abandon(session)
+            self._pending = {}
+
+    def has_unfinished(self) -> bool:
+        """Whether a prompt sent in the current generate call still has a result to come."""
+        return bool(self._pending)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Engine.check_grammar, in the server: ValueError saying why it cannot compile."""
+        self._call(("grammar", params))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached prompt blocks (a benchmark's warm-up would be a head start)."""
+        self._call(("clear_cache",))
+
+    def close(self) -> None:
+        """The server exits, and the engine's memory (the GPU's included) goes with it."""
+        self.server.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, message: tuple) -> None:
+        self._check_open()
+        self.server.send(message)
+        self.server.expect("ok")
+
+    def _results(self, message: tuple) -> Iterator[RequestOutput]:
+        """An "outputs" message's results, each with its prompt ids back."""
+        if message[0] != "outputs":
+            raise self.server.failure(message)
+        _, session, results, taken, stats = message
+        if session != self._session:
+            return  # an abandoned call's last words
+        self._taken, self.cache_stats = taken, stats
+        pending = self._pending
+        for out in results:
+            ids = pending.pop(out.request_id) if out.last else pending[out.request_id]
+            yield out if out.prompt_token_ids is not None else out._replace(prompt_token_ids=ids)
+
+    def _abandon(self, session: int) -> None:
+        """The call ends early (the caller stopped taking results, or it failed): stop the
+        server's call and wait for its end. A server that ended has none to send."""
+        if not self.server.alive():
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self.server.send(("stop", session))
+        while True:
+            message = self.server.inbox.get()
+            if message[0] == "eof":
+                self.server.inbox.put(message)  # there for the next call to raise
+                return
+            if message[0] == "done" and message[1] == session:
+                self.cache_stats = message[2]
+                return
+
+    def _check_open(self) -> None:
+        if self.server.closed:
+            raise RuntimeError("this engine process is closed: start a new one")

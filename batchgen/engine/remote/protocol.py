@@ -1,0 +1,80 @@
+"""What crosses the pipes between a job's process and its engine's, as length-prefixed pickles.
+
+To the engine (the server's stdin):
+- ("load", model, config, quiet, step_hook) once; answered ("ready", facts) or an error.
+- per generate call: ("generate", session, params, decode, check_outputs), then
+  ("prompts", session, rows) as prompts become ready, and ("end", session) once there are no
+  more or ("stop", session) to stop after the step in flight. A row is (request id, the prompt
+  ids as int64 bytes or the prompt itself, sampling, seed key).
+- between calls: ("grammar", params) and ("clear_cache",), answered ("ok",) or an error;
+  ("close",).
+
+From the engine (a copy of the server's stdout; what it prints goes to stderr):
+- ("outputs", session, results, prompts taken, cache stats) after a step that finished
+  requests or took prompts; a result whose prompt ids are the ones sent comes back with
+  prompt_token_ids None (the job's side puts them back).
+- ("done", session, cache stats, step report) when the call ends, after its last outputs.
+- ("error", kind, message): kind "batchgen" or "value" (the user's to fix; the server goes
+  on), else "internal" (the server has printed its traceback and exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import struct
+from array import array
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the job's side imports this before torch (request.py imports it)
+    from batchgen.engine.request import Prompt
+
+PICKLE = pickle.HIGHEST_PROTOCOL
+FRAME = struct.Struct("<Q")  # the byte length of the pickle that follows
+Row = tuple[str, Any, Any, Any]  # (request id, ids as bytes or the prompt, sampling, seed key)
+
+
+def send(pipe: IO[bytes], message: tuple) -> None:
+    data = pickle.dumps(message, PICKLE)
+    pipe.write(FRAME.pack(len(data)))
+    pipe.write(data)
+    pipe.flush()
+
+
+def receive(pipe: IO[bytes]) -> tuple:
+    """The next message; EOFError when the other side has closed the pipe."""
+    head = pipe.read(FRAME.size)
+    if len(head) < FRAME.size:
+        raise EOFError
+    (size,) = FRAME.unpack(head)
+    data = pipe.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def pack_prompt(prompt: Any, default_id: str) -> tuple[Row, list[int] | None]:
+    """-> (the row to send, the prompt's ids when they travel as bytes, else None)."""
+    from batchgen.engine.request import Prompt
+
+    if not isinstance(prompt, Prompt):
+        prompt = Prompt(prompt)
+    request_id = default_id if prompt.request_id is None else str(prompt.request_id)
+    body, ids = prompt.prompt, None
+    if isinstance(body, list):
+        with contextlib.suppress(TypeError, OverflowError):  # not int64s: the engine says why
+            body, ids = array("q", body).tobytes(), body
+    return (request_id, body, prompt.sampling, prompt.seed_key), ids
+
+
+def unpack_prompt(row: Row) -> tuple[Prompt, bool]:
+    """A sent row -> (its Prompt, whether its ids travelled as bytes)."""
+    from batchgen.engine.request import Prompt
+
+    request_id, body, sampling, seed_key = row
+    packed = isinstance(body, bytes)
+    if packed:
+        ids = array("q")
+        ids.frombytes(body)
+        body = ids.tolist()
+    return Prompt(body, request_id, sampling, seed_key), packed

@@ -1,0 +1,282 @@
+"""The engine's side of EngineProcess (`python -m batchgen.engine.remote.server`): one Engine,
+its generate calls fed from stdin, their results sent back on a copy of stdout (protocol.py;
+anything printed goes to stderr).
+
+Two threads run Python here: the engine's (the main thread) and the pipe reader, which only
+unpickles prompt batches (their ids arrive as bytes) and sets flags. The engine's modules are
+imported before the first message is read, so a server started early has them ready.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import importlib
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import IO, Any
+
+from batchgen.engine.remote.protocol import receive, send, unpack_prompt
+from batchgen.errors import BatchgenError
+from batchgen.home import use_bytecode_cache
+
+IDLE_WAIT_S = 0.05  # how long an idle engine waits for the next prompt before asking again
+PR_SET_PDEATHSIG = 1
+_END = object()
+
+
+class Feed:
+    """Prompt rows of the current generate call, filled by the reader thread. Rows of another
+    (earlier) session are dropped; end and stop are kept per session too."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.session = 0
+        self._rows: collections.deque[tuple[int, tuple]] = collections.deque()
+        self._ended = 0  # the last session whose prompts all came
+        self._stopped = 0  # the last session asked to stop
+
+    def begin(self, session: int) -> None:
+        with self.cond:
+            self.session = session
+            while self._rows and self._rows[0][0] < session:
+                self._rows.popleft()
+
+    def add(self, session: int, rows: list[tuple]) -> None:
+        with self.cond:
+            self._rows.extend((session, row) for row in rows)
+            self.cond.notify()
+
+    def end(self, session: int) -> None:
+        with self.cond:
+            self._ended = max(self._ended, session)
+            self.cond.notify()
+
+    def stop(self, session: int) -> None:
+        with self.cond:
+            self._stopped = max(self._stopped, session)
+            self.cond.notify()
+
+    def stopped(self) -> bool:
+        return self._stopped >= self.session
+
+    def take(self, wait: float) -> tuple | object | None:
+        """The next row of this session, _END when it has no more, None if none came within
+        `wait` seconds."""
+        deadline = None
+        with self.cond:
+            while True:
+                rows = self._rows
+                while rows and rows[0][0] < self.session:
+                    rows.popleft()
+                if rows and rows[0][0] == self.session:
+                    return rows.popleft()[1]
+                if self._ended >= self.session or self.stopped():
+                    return _END
+                now = time.monotonic()
+                deadline = deadline or now + wait
+                if now >= deadline:
+                    return None
+                self.cond.wait(deadline - now)
+
+
+class Session:
+    """One generate call: results go back once per step (when the engine asks whether to
+    stop, before each step), with the count of prompts taken so far."""
+
+    def __init__(self, engine: Any, feed: Feed, answers: IO[bytes], session: int) -> None:
+        self.engine, self.feed, self.answers, self.session = engine, feed, answers, session
+        self.outbox: list = []
+        self.taken = 0
+        self._sent_taken = 0
+        self._sent: dict[str, list[int]] = {}  # request id -> its prompt ids, while it runs
+
+    def is_set(self) -> bool:  # Engine.generate's stop: asked once before every step
+        self.flush()
+        return self.feed.stopped()
+
+    def flush(self) -> None:
+        if self.outbox or self.taken != self._sent_taken:
+            message = ("outputs", self.session, self.outbox, self.taken, self.engine.cache_stats)
+            send(self.answers, message)
+            self.outbox, self._sent_taken = [], self.taken
+
+    def prompts(self) -> Any:
+        from batchgen.engine.engine import NOT_READY
+
+        while True:
+            row = self.feed.take(0.0)
+            if row is None and not self.engine.has_unfinished():
+                self.flush()
+                row = self.feed.take(IDLE_WAIT_S)
+            if row is None:
+                yield NOT_READY
+                continue
+            if row is _END:
+                return
+            prompt, packed = unpack_prompt(row)
+            if packed:
+                self._sent[prompt.request_id] = prompt.prompt
+            self.taken += 1
+            yield prompt
+
+    def keep(self, out: Any) -> None:
+        """A result, sent without its prompt ids when they are the ones that came."""
+        sent = self._sent.pop(out.request_id, None) if out.last else self._sent.get(out.request_id)
+        if sent is not None and out.prompt_token_ids == sent:
+            out = out._replace(prompt_token_ids=None)
+        self.outbox.append(out)
+
+
+def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+    try:
+        message = receive(requests)
+    except EOFError:
+        return  # the job's process ended first
+    if message[0] != "load":
+        return  # closed before it was asked for a model (an early server the job did not use)
+    _, model, config, quiet, step_hook = message
+    try:
+        engine, hook = _load(model, config, quiet, step_hook)
+    except BaseException as exc:
+        _report(answers, exc)
+        return
+    send(answers, ("ready", _facts(engine)))
+    feed, control = Feed(), queue.SimpleQueue()
+    threading.Thread(
+        target=_read, args=(requests, feed, control), name="batchgen-engine-requests", daemon=True
+    ).start()
+    while True:
+        message = control.get()
+        kind = message[0]
+        if kind == "generate":
+            _generate(engine, hook, feed, answers, *message[1:])
+        elif kind == "grammar":
+            try:
+                engine.check_grammar(message[1])
+                send(answers, ("ok",))
+            except BaseException as exc:
+                _report(answers, exc)
+        elif kind == "clear_cache":
+            engine.blocks.clear_cache()
+            send(answers, ("ok",))
+        elif kind == "close":
+            return
+
+
+def _generate(
+    engine: Any, hook: Any, feed: Feed, answers: IO[bytes], session: int, params: Any,
+    decode: bool, check_outputs: bool,
+) -> None:  # fmt: skip
+    feed.begin(session)
+    call = Session(engine, feed, answers, session)
+    if hook is not None:
+        hook.open()
+    started = time.perf_counter()
+    try:
+        for out in engine.generate(
+            call.prompts(), params, decode=decode, stop=call, check_outputs=check_outputs
+        ):
+            call.keep(out)
+        call.flush()
+    except BaseException as exc:
+        _report(answers, exc)
+    report = None
+    if hook is not None:
+        hook.close()
+        report = hook.report(time.perf_counter() - started)
+    send(answers, ("done", session, engine.cache_stats, report))
+
+
+def _report(answers: IO[bytes], exc: BaseException) -> None:
+    """Send an error; one the user did not cause also goes to stderr with its traceback, and
+    ends this process (the engine's state is unknown)."""
+    if isinstance(exc, BatchgenError | ValueError):
+        kind = "batchgen" if isinstance(exc, BatchgenError) else "value"
+        send(answers, ("error", kind, str(exc)))
+        return
+    traceback.print_exception(exc, file=sys.stderr)
+    line = str(exc).strip().splitlines()
+    with contextlib.suppress(OSError, ValueError):
+        send(answers, ("error", "internal", f"{type(exc).__name__}: {line[0] if line else ''}"))
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _load(model: str, config: Any, quiet: bool, step_hook: str | None) -> tuple[Any, Any, float]:
+    """-> (the engine, its step hook or None)."""
+    from batchgen.engine.engine import Engine
+    from batchgen.engine.model_loader import hf_progress_bars
+
+    with hf_progress_bars(shown=not quiet):
+        engine = Engine(model, config)
+    hook = None
+    if step_hook is not None:
+        module, name = step_hook.split(":")
+        hook = getattr(importlib.import_module(module), name)()
+        engine.runner.step_hook = hook
+    return engine, hook
+
+
+def _facts(engine: Any) -> dict[str, Any]:
+    return {
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_model_len": engine.max_model_len,
+        "num_blocks": engine.num_blocks,
+        "fingerprint": engine.fingerprint,
+        "startup_s": engine.startup_s,
+    }
+
+
+def _read(requests: IO[bytes], feed: Feed, control: queue.SimpleQueue) -> None:
+    """stdin -> the feed (prompts, end, stop) and the control queue (the rest). When stdin
+    ends, the job's process has: this one exits at once (nothing here is worth keeping)."""
+    try:
+        while True:
+            message = receive(requests)
+            kind = message[0]
+            if kind == "prompts":
+                feed.add(message[1], message[2])
+            elif kind == "end":
+                feed.end(message[1])
+            elif kind == "stop":
+                feed.stop(message[1])
+            else:
+                control.put(message)
+    except (EOFError, OSError):
+        pass
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the job's process dies, even if a step holds it."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the line above
+        os._exit(0)
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    use_bytecode_cache()  # before torch is imported
+    answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
+    serve(sys.stdin.buffer, answers)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

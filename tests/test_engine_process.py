@@ -1,0 +1,255 @@
+"""The engine in a process of its own (EngineProcess): the same results as the engine in this
+process, calls that stop early, errors in one line, and a server that dies with its job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.engine import Prompt
+from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.job import run_job
+from batchgen.spec import PipelineConfig, load_spec
+
+CPU = EngineConfig(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> Path:
+    return model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def served(model: Path):
+    with EngineProcess(str(model), CPU, quiet=True) as engine:
+        yield engine
+
+
+def _prompts() -> list:
+    """Token ids, text, overrides (seeded sampling, n, logprobs, a stop string), and prompts
+    the engine rejects (empty, outside the vocabulary, not token ids)."""
+    return [
+        [5, 6, 7, 8],
+        "The weather today is",
+        Prompt([9, 10, 11], "sampled", {"temperature": 0.9, "seed": 3, "n": 2}),
+        Prompt("Tell me a story", "logprobs", {"logprobs": 2, "max_new_tokens": 5}),
+        Prompt([12, 13], "stopped", {"stop": ["e"], "max_new_tokens": 20}),
+        Prompt([1, 2, 3], None, None, "seed-key"),
+        [],
+        [10**12],
+        [1.5, 2.5],
+    ]
+
+
+def _by_key(outputs) -> dict:
+    return {(o.request_id, o.sample_index): o._replace(first_token_time=0.0) for o in outputs}
+
+
+def test_results_match_the_engine_in_this_process(model: Path, served: EngineProcess) -> None:
+    params = SamplingParams(max_new_tokens=7)
+    with Engine(str(model), CPU) as engine:
+        expected = _by_key(engine.generate(_prompts(), params, decode=True))
+    got = _by_key(served.generate(_prompts(), params, decode=True))
+    assert got.keys() == expected.keys()
+    for key, out in expected.items():
+        assert got[key] == out, key
+    assert {o.finish_reason for o in got.values()} >= {"length", "error"}
+    assert not served.has_unfinished()
+    # a second call on the same process: its default ids count from 0 again
+    again = _by_key(served.generate([[5, 6, 7, 8]], params, decode=True))
+    assert again[("0", 0)] == expected[("0", 0)]
+    assert served.cache_stats.prompt_tokens > 0
+    assert served.max_model_len == engine.max_model_len
+    assert served.dtype == engine.dtype and served.fingerprint == engine.fingerprint
+
+
+def test_a_call_stopped_or_left_early_lets_the_next_one_run(served: EngineProcess) -> None:
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    many = [Prompt([i + 1, 7, 8], str(i), {"max_new_tokens": 2 + i}) for i in range(64)]
+    stop = threading.Event()
+    taken = []
+    for out in served.generate(many, params, stop=stop):
+        taken.append(out)
+        stop.set()  # after the first result: the step in flight ends the call
+    assert 1 <= len(taken) < len(many)
+    assert not served.has_unfinished()
+    results = served.generate(many, params)
+    next(results)
+    results.close()  # the caller stops taking results: the server's call is stopped too
+    short = list(served.generate([[3, 4]], params.replace(max_new_tokens=2)))
+    assert [len(o.output_token_ids) for o in short] == [2]
+
+
+def test_grammar_errors_and_cache_clearing_are_answered(served: EngineProcess) -> None:
+    with pytest.raises(ValueError, match="regex"):
+        served.check_grammar(SamplingParams(regex="("))
+    served.check_grammar(SamplingParams(regex="[ab]+"))
+    served.clear_prefix_cache()
+
+
+def test_a_model_that_cannot_load_is_one_clear_error(model: Path) -> None:
+    config = EngineConfig(device="cpu", cpu_kv_cache_gib=1e-6)
+    with pytest.raises(BatchgenError) as in_process:
+        Engine(str(model), config)
+    with pytest.raises(BatchgenError) as served:
+        EngineProcess(str(model), config, quiet=True)
+    assert str(served.value) == str(in_process.value)
+    assert "\n" not in str(served.value)
+    with pytest.raises(BatchgenError, match="does not exist"):
+        EngineProcess("/no/such/model", config)
+
+
+def test_a_server_killed_mid_call_is_a_one_line_error(model: Path) -> None:
+    engine = EngineProcess(str(model), CPU, quiet=True)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    with pytest.raises(BatchgenError) as failed:
+        for _ in engine.generate([[1, 2, 3]] * 16, params):
+            engine.server.process.send_signal(signal.SIGKILL)
+    assert "killed by signal 9" in str(failed.value)
+    assert "run the same command again" in str(failed.value)
+    with pytest.raises(BatchgenError, match="killed by signal 9"):  # and the next call too
+        list(engine.generate([[1, 2]], params))
+    engine.close()
+
+
+PARENT = """
+import sys, time
+from batchgen.engine.remote.client import EngineServer
+server = EngineServer()
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_ends_with_its_job_process(tmp_path: Path) -> None:
+    """The job's process killed (SIGKILL, no clean-up): its engine's process goes too."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert _alive(pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, exited but not yet reaped by init, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _job_spec(model: Path, tmp_path: Path, name: str, place: str, **extra: object):
+    inp = tmp_path / "in.jsonl"
+    if not inp.exists():
+        rows = [{"uid": f"r{i}", "prompt": f"Item {i}: the weather is"} for i in range(30)]
+        rows.append({"uid": "bad", "prompt": ""})  # an error row
+        inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    values = {
+        "model.path": str(model),
+        "input.path": str(inp),
+        "output.dir": str(tmp_path / name),
+        "prompt.id_column": "uid",
+        "sampling.max_new_tokens": 6,
+        "sampling.n": 2,
+        "sampling.temperature": 0.8,
+        "runtime.device": "cpu",
+        "runtime.quiet": True,
+        "runtime.engine_process": place,
+        "output.shard_rows": 4,
+        **extra,
+    }
+    return load_spec(None, values=values)
+
+
+def test_a_job_with_its_engine_in_its_own_process(model: Path, tmp_path: Path) -> None:
+    thread = run_job(_job_spec(model, tmp_path, "thread", "thread"))
+    own = run_job(_job_spec(model, tmp_path, "process", "process"))
+    assert own.complete and thread.complete
+    rows = {name: pq.read_table(tmp_path / name / "results.parquet").to_pylist()
+            for name in ("thread", "process")}  # fmt: skip
+    assert rows["process"] == rows["thread"] and len(rows["thread"]) == 2 * 30 + 1
+    phases = own.summary.startup_s
+    assert list(phases)[:2] == ["checks", "engine_process"] and "load" in phases
+    assert "engine_process" not in thread.summary.startup_s
+    assert own.summary.rows_error == thread.summary.rows_error == 1
+
+
+@pytest.mark.gpu
+def test_a_gpu_job_runs_its_engine_in_its_own_process(model: Path, tmp_path: Path) -> None:
+    """On a GPU the default (auto) is the engine's own process; the rows are the same (one
+    request at a time: GPU logits may move in the last bit with the batch's make-up)."""
+    gpu = {"runtime.device": "cuda", "runtime.max_num_seqs": 1, "sampling.n": 1}
+    own = run_job(_job_spec(model, tmp_path, "auto", "auto", **gpu))
+    thread = run_job(_job_spec(model, tmp_path, "thread", "thread", **gpu))
+    assert "engine_process" in own.summary.startup_s
+    assert "engine_process" not in thread.summary.startup_s
+    rows = {name: pq.read_table(tmp_path / name / "results.parquet").to_pylist()
+            for name in ("thread", "auto")}  # fmt: skip
+    assert rows["auto"] == rows["thread"]
+
+
+def test_where_the_engine_runs() -> None:
+    auto = PipelineConfig()
+    assert auto.own_engine_process(cuda=True)
+    assert not auto.own_engine_process(cuda=False)
+    assert not auto.own_engine_process(cuda=True, data_parallel=True)
+    assert not PipelineConfig(profile=True).own_engine_process(cuda=True)
+    assert PipelineConfig(engine_process="process").own_engine_process(cuda=False)
+    assert not PipelineConfig(engine_process="thread").own_engine_process(cuda=True)
+    with pytest.raises(ValueError, match="engine_process='gpu' is not allowed"):
+        PipelineConfig(engine_process="gpu")
+    with pytest.raises(ValueError, match="profile=true records"):
+        PipelineConfig(engine_process="process", profile=True)
+
+
+def test_an_unused_early_server_is_closed(model: Path, tmp_path: Path) -> None:
+    """The command line starts a server before it knows torch sees a GPU; a job whose engine
+    stays in its process closes it."""
+    server = EngineServer()
+    result = run_job(_job_spec(model, tmp_path, "early", "thread"), engine_server=server)
+    assert result.complete and server.closed
+    assert server.process.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_sigkill_and_sigterm_with_the_engine_in_its_own_process(model: Path, tmp_path) -> None:
+    """Exactly once after a SIGKILL of the job's process mid-run, and SIGTERM stops it after
+    the step in flight with every handed row committed (tests/test_kill.py's, with the engine
+    in a process of its own)."""
+    from tests.test_kill import committed, make_job, results, start, wait_for_shards
+
+    extra = ("--set", "runtime.engine_process='process'")
+    cmd = make_job(model, tmp_path, "out", extra)
+    out = tmp_path / "out"
+    proc = start(cmd)
+    wait_for_shards(proc, out, 2, timeout=900)
+    assert proc.poll() is None, "the job must be mid-run when killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = start(cmd)
+    wait_for_shards(proc, out, committed(out) + 2, timeout=900)
+    assert proc.poll() is None, "the job must be mid-run when signalled"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    final = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    assert final.returncode == 0, final.stderr
+    reference = subprocess.run(make_job(model, tmp_path, "ref"), capture_output=True, text=True)
+    assert reference.returncode == 0, reference.stderr
+    expected, got = results(tmp_path / "ref"), results(out)
+    assert {k: r["text"] for k, r in got.items()} == {k: r["text"] for k, r in expected.items()}
