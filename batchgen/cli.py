@@ -229,12 +229,17 @@ def run(
 def _early_engine_server(spec: Any, place: Any) -> Any:
     """A job whose engine will likely get a process of its own (a GPU is visible) starts that
     process now: it imports torch and the engine while this one imports the job's modules."""
-    from batchgen.engine.remote.client import EngineServer, gpu_visible
+    from batchgen.engine.remote.client import EngineServer, gpu_visible, keep_process_off
 
     if place is not None and place.world_size > 1:
         return None
     cuda = spec.engine.device != "cpu" and gpu_visible()
-    return EngineServer() if spec.pipeline.own_engine_process(cuda) else None
+    if not spec.pipeline.own_engine_process(cuda):
+        return None
+    cpus = spec.engine_cores(os.sched_getaffinity(0))
+    server = EngineServer(cpus)
+    keep_process_off(cpus)  # this process's threads, and those it starts, leave it its cores
+    return server
 
 
 def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event, server: Any) -> Any:

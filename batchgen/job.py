@@ -9,6 +9,7 @@ before the model loads, the model after), and only then is the manifest written.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from batchgen.engine.model_loader import (
     resolve_model_path,
 )
 from batchgen.engine.prefix_cache import CacheStats
-from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine.remote.client import EngineProcess, EngineServer, off_cores
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles
@@ -150,7 +151,10 @@ def load_engine(
     runtime.quiet while it loads. A server the engine does not use is closed."""
     cuda = resolve_device(spec.engine).type == "cuda"
     if spec.pipeline.own_engine_process(cuda, data_parallel):
-        return EngineProcess(spec.model.path, spec.engine, quiet=spec.pipeline.quiet, server=server)
+        cpus = spec.engine_cores(os.sched_getaffinity(0))
+        return EngineProcess(
+            spec.model.path, spec.engine, quiet=spec.pipeline.quiet, server=server, cpus=cpus
+        )
     if server is not None:
         server.close()
     with hf_progress_bars(shown=not spec.pipeline.quiet):
@@ -234,9 +238,11 @@ def _with_engine(
         verify_rows(spec, source, committed)
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
-    return _run(
-        spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
-    )
+    kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
+    with off_cores(kept):  # the job's threads leave the engine process its cores
+        return _run(
+            spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
+        )
 
 
 def _run(

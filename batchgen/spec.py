@@ -75,6 +75,11 @@ class PipelineConfig:
     # the job profiles (the step recorder reads the engine in the job's process) and in the
     # ranks of a data-parallel job
     engine_process: str = "auto"
+    # with the engine in its own process: cores it runs on alone, the job's own threads
+    # (reader, tokenizer, writer, and the pools they start) on the others; None = 2 where the
+    # job may use 8 cores or more, unless its rows may ask for structured outputs (their mask
+    # fill runs in the engine's process on as many cores as it has), else 0 (none kept)
+    engine_cpus: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
@@ -89,6 +94,8 @@ class PipelineConfig:
             raise ValueError(f"rank_timeout_s={self.rank_timeout_s} must be > 0")
         if self.heartbeat_timeout_s < 2:
             raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 2")
+        if self.engine_cpus is not None and self.engine_cpus < 0:
+            raise ValueError(f"engine_cpus={self.engine_cpus} must be >= 0 (or unset)")
         check_field(
             self.engine_process in ENGINE_PLACES,
             "engine_process",
@@ -118,6 +125,26 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def engine_cores(self, allowed: set[int]) -> frozenset[int]:
+        """The cores of `allowed` kept for the engine's own process (engine_cpus)."""
+        from batchgen.engine.remote.client import kept_cores
+
+        setting = self.pipeline.engine_cpus
+        if setting is None and self.may_ask_structured():
+            setting = 0
+        return kept_cores(setting, allowed)
+
+    def may_ask_structured(self) -> bool:
+        """Whether some row may ask for a structured output: the job's [sampling] does, or a
+        column or the format gives rows their own sampling."""
+        p = self.prompt
+        return (
+            self.sampling.structured
+            or p.json_schema_column is not None
+            or p.sampling_column is not None
+            or self.input.format == "openai_batch"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved spec, in the TOML's shape (engine and pipeline merged into runtime)."""

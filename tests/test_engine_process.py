@@ -16,8 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
-from batchgen.engine import Prompt
-from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine import NOT_READY, Prompt
+from batchgen.engine.remote.client import (
+    EngineProcess,
+    EngineServer,
+    kept_cores,
+    off_cores,
+)
 from batchgen.job import run_job
 from batchgen.spec import PipelineConfig, load_spec
 
@@ -112,9 +117,16 @@ def test_a_model_that_cannot_load_is_one_clear_error(model: Path) -> None:
 def test_a_server_killed_mid_call_is_a_one_line_error(model: Path) -> None:
     engine = EngineProcess(str(model), CPU, quiet=True)
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+
+    def prompts():
+        yield [1, 2, 3]
+        engine.server.process.send_signal(signal.SIGKILL)  # while its 200 tokens run
+        engine.server.process.wait()
+        while True:
+            yield NOT_READY
+
     with pytest.raises(BatchgenError) as failed:
-        for _ in engine.generate([[1, 2, 3]] * 16, params):
-            engine.server.process.send_signal(signal.SIGKILL)
+        list(engine.generate(prompts(), params))
     assert "killed by signal 9" in str(failed.value)
     assert "run the same command again" in str(failed.value)
     with pytest.raises(BatchgenError, match="killed by signal 9"):  # and the next call too
@@ -253,3 +265,76 @@ def test_sigkill_and_sigterm_with_the_engine_in_its_own_process(model: Path, tmp
     assert reference.returncode == 0, reference.stderr
     expected, got = results(tmp_path / "ref"), results(out)
     assert {k: r["text"] for k, r in got.items()} == {k: r["text"] for k, r in expected.items()}
+
+
+def test_the_cores_a_job_keeps_for_its_engine() -> None:
+    sixteen = set(range(16))
+    assert kept_cores(None, sixteen) == {14, 15}
+    assert kept_cores(None, set(range(4))) == frozenset()  # too few to keep any by default
+    assert kept_cores(3, sixteen) == {13, 14, 15}
+    assert kept_cores(0, sixteen) == frozenset()
+    assert kept_cores(16, sixteen) == frozenset()  # never all of them
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two cores")
+    kept = kept_cores(1, before)
+    seen = []
+    with off_cores(kept):
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+        assert os.sched_getaffinity(0) == before - kept
+    assert seen == [before - kept]  # a thread started inside stays off them too
+    assert os.sched_getaffinity(0) == before
+
+
+def test_an_engine_process_runs_on_the_cores_kept_for_it(model: Path) -> None:
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("needs two cores")
+    kept = kept_cores(1, before)
+    with EngineProcess(str(model), CPU, quiet=True, cpus=kept) as engine:
+        assert os.sched_getaffinity(engine.server.process.pid) == kept
+        assert engine.server.cpus == kept
+        assert len(list(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)))) == 1
+
+
+def test_which_jobs_keep_cores_for_their_engine(model: Path, tmp_path: Path) -> None:
+    sixteen = set(range(16))
+    plain = _job_spec(model, tmp_path, "a", "process")
+    assert plain.engine_cores(sixteen) == {14, 15}
+    schema = _job_spec(model, tmp_path, "b", "process", **{"sampling.regex": "[ab]+"})
+    assert schema.engine_cores(sixteen) == frozenset()  # its mask fill needs the cores
+    per_row = _job_spec(model, tmp_path, "c", "process", **{"prompt.sampling_column": "s"})
+    assert per_row.engine_cores(sixteen) == frozenset()
+    asked = _job_spec(model, tmp_path, "d", "process", **{"runtime.engine_cpus": 4})
+    assert asked.engine_cores(sixteen) == {12, 13, 14, 15}
+
+
+KEEP_OFF = """
+import os, threading
+from batchgen.engine.remote.client import keep_process_off
+kept, seen = threading.Event(), []
+def look():
+    kept.wait()  # already running when the process is kept off the core
+    seen.append(os.sched_getaffinity(0))
+worker = threading.Thread(target=look)
+worker.start()
+keep_process_off(frozenset({max(os.sched_getaffinity(0))}))
+kept.set()
+worker.join()
+later = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+later.start()
+later.join()
+print(*(sorted(s) for s in [*seen, os.sched_getaffinity(0)]))
+"""
+
+
+def test_keeping_a_process_off_cores_covers_its_running_threads() -> None:
+    before = sorted(os.sched_getaffinity(0))
+    if len(before) < 2:
+        pytest.skip("needs two cores")
+    run = subprocess.run([sys.executable, "-c", KEEP_OFF], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rest = str(before[:-1])
+    assert run.stdout.strip() == f"{rest} {rest} {rest}"  # running, started later, the caller

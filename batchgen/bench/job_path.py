@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import random
 import sysconfig
 import tempfile
@@ -29,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from batchgen.bench.systems import CudaTimeline
 from batchgen.bench.workloads import Shape
 from batchgen.engine import Engine, EngineConfig, SamplingParams
-from batchgen.engine.remote.client import EngineProcess
+from batchgen.engine.remote.client import EngineProcess, keep_process_off, kept_cores
 
 VOCAB = 32768
 # the job paths run in this process: the engine in the job's process, tokenizing and decoding
@@ -155,7 +156,10 @@ def run_paths(
             results.append(_job(engine, work, params, name, settings))
         engine.close()
         del engine
-        with EngineProcess(str(folder), config, quiet=True, step_hook=TIMELINE) as served:
+        cpus = kept_cores(None, os.sched_getaffinity(0))  # as `batchgen run` keeps them
+        served = EngineProcess(str(folder), config, quiet=True, step_hook=TIMELINE, cpus=cpus)
+        keep_process_off(cpus)  # (pools this process started earlier were on every core)
+        with served:
             _warm_up(served, ids, params)
             served.clear_prefix_cache()
             settings = {"runtime.engine_process": "process"}

@@ -22,6 +22,7 @@ import time
 import traceback
 from typing import IO, Any
 
+from batchgen.engine.remote.client import CPUS_ENV
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
 from batchgen.home import use_bytecode_cache
@@ -266,6 +267,9 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
+    cpus = os.environ.get(CPUS_ENV)  # the cores the job keeps for its engine (kept_cores)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     use_bytecode_cache()  # before torch is imported
