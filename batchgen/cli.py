@@ -229,7 +229,8 @@ def run(
 def _early_engine_server(spec: Any, place: Any) -> Any:
     """A job whose engine will likely get a process of its own (a GPU is visible) starts that
     process now: it imports torch and the engine while this one imports the job's modules."""
-    from batchgen.engine.remote.client import EngineServer, gpu_visible, keep_process_off
+    from batchgen.engine.remote.client import EngineServer
+    from batchgen.engine.remote.placement import gpu_visible, keep_process_off
 
     if place is not None and place.world_size > 1:
         return None

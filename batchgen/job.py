@@ -29,7 +29,8 @@ from batchgen.engine.model_loader import (
     resolve_model_path,
 )
 from batchgen.engine.prefix_cache import CacheStats
-from batchgen.engine.remote.client import EngineProcess, EngineServer, off_cores
+from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine.remote.placement import off_cores
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles

@@ -128,7 +128,7 @@ class JobSpec:
 
     def engine_cores(self, allowed: set[int]) -> frozenset[int]:
         """The cores of `allowed` kept for the engine's own process (engine_cpus)."""
-        from batchgen.engine.remote.client import kept_cores
+        from batchgen.engine.remote.placement import kept_cores
 
         setting = self.pipeline.engine_cpus
         if setting is None and self.may_ask_structured():

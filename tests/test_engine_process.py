@@ -17,12 +17,8 @@ import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine import NOT_READY, Prompt
-from batchgen.engine.remote.client import (
-    EngineProcess,
-    EngineServer,
-    kept_cores,
-    off_cores,
-)
+from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine.remote.placement import kept_cores, off_cores
 from batchgen.job import run_job
 from batchgen.spec import PipelineConfig, load_spec
 
@@ -313,7 +309,7 @@ def test_which_jobs_keep_cores_for_their_engine(model: Path, tmp_path: Path) -> 
 
 KEEP_OFF = """
 import os, threading
-from batchgen.engine.remote.client import keep_process_off
+from batchgen.engine.remote.placement import keep_process_off
 kept, seen = threading.Event(), []
 def look():
     kept.wait()  # already running when the process is kept off the core

@@ -30,7 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from batchgen.bench.systems import CudaTimeline
 from batchgen.bench.workloads import Shape
 from batchgen.engine import Engine, EngineConfig, SamplingParams
-from batchgen.engine.remote.client import EngineProcess, keep_process_off, kept_cores
+from batchgen.engine.remote.client import EngineProcess
+from batchgen.engine.remote.placement import keep_process_off, kept_cores
 
 VOCAB = 32768
 # the job paths run in this process: the engine in the job's process, tokenizing and decoding

@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.prefix_cache import CacheStats
+from batchgen.engine.remote.placement import CPUS_ENV
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
@@ -39,63 +40,7 @@ WINDOW_SEQS = 2  # prompts sent and not yet taken by the engine: at most this x 
 POLL_S = 0.05  # how often a waiting generate looks at its stop event
 PROMPT_POLL_S = 0.005  # ... and at its prompt source, when that had nothing ready
 CLOSE_WAIT_S = 30.0  # how long close() waits for the server to exit before killing it
-CPUS_ENV = "BATCHGEN_ENGINE_CPUS"  # the server's cores, "14,15" (it pins itself at start)
 _END = object()
-
-
-MIN_CORES_TO_KEEP = 8  # a job's process with fewer cores keeps none for its engine by default
-KEPT_CORES = 2  # ... else this many: the engine thread and the server's other threads
-
-
-def kept_cores(setting: int | None, allowed: set[int]) -> frozenset[int]:
-    """The cores an engine process runs on alone, the job's own threads on the others:
-    `setting` of them (None: KEPT_CORES where the process may use MIN_CORES_TO_KEEP or more,
-    else none), the last of `allowed`, and never all of them.
-
-    Measured through `batchgen run` on a 16-core H200 host (1b shape, generated tok/s): 8,192
-    rows x 16 new tokens 11,332 with the engine process on two cores and the job's process on
-    the other 14, against 10,318 with the engine in the job's process and 9,957-10,359 with
-    both processes free to use every core; 2,048 x 256: 66,744, 61,688 and 57,969-59,617. The
-    job's tokenizer threads, the Rust pool under them and Arrow's pool, left free, take cores
-    the engine thread is waiting for."""
-    count = (KEPT_CORES if len(allowed) >= MIN_CORES_TO_KEEP else 0) if setting is None else setting
-    if count <= 0 or count >= len(allowed):
-        return frozenset()
-    return frozenset(sorted(allowed)[-count:])
-
-
-def keep_process_off(cores: frozenset[int]) -> None:
-    """Every thread of this process (and every one it starts later) off `cores` (Linux: per
-    thread, from /proc/self/task). For a process batchgen owns: the command line's."""
-    if not cores:
-        return
-    allowed = os.sched_getaffinity(0) - cores
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), allowed)
-
-
-@contextlib.contextmanager
-def off_cores(cores: frozenset[int]) -> Iterator[None]:
-    """Inside, the calling thread (and every thread it starts) runs off `cores`; its own
-    affinity comes back after. Threads already running elsewhere are left alone."""
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, before - cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def gpu_visible() -> bool:
-    """Whether this machine shows this process an NVIDIA GPU, without importing torch (a guess
-    made before torch is imported; torch has the last word)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
-        return False
-    return os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus")
 
 
 class EngineServer:

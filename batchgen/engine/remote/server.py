@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import IO, Any
 
-from batchgen.engine.remote.client import CPUS_ENV
+from batchgen.engine.remote.placement import CPUS_ENV
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
 from batchgen.home import use_bytecode_cache
