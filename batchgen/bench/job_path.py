@@ -159,7 +159,7 @@ def run_paths(
         del engine
         cpus = kept_cores(None, os.sched_getaffinity(0))  # as `batchgen run` keeps them
         served = EngineProcess(str(folder), config, quiet=True, step_hook=TIMELINE, cpus=cpus)
-        keep_process_off(cpus)  # (pools this process started earlier were on every core)
+        keep_process_off(cpus)  # this process too, its pools started earlier included
         with served:
             _warm_up(served, ids, params)
             served.clear_prefix_cache()
