@@ -195,16 +195,16 @@ def run_job(
         check_resumable(layout, previous, current, ("settings", "input"), force_resume)
         startup = {} if process_s is None else {"process": process_s}
         startup["checks"] = round(time.perf_counter() - started, 3)
-        if engine is not None:
-            return _with_engine(spec, engine, layout, previous, current, source, lock,
-                                startup, force_resume, stop, hooks, note)  # fmt: skip
-        engine = load_engine(spec, server=engine_server)
-        startup |= engine.startup_s
+        owned = engine is None
+        if owned:
+            engine = load_engine(spec, server=engine_server)
+            startup |= engine.startup_s
         try:
             return _with_engine(spec, engine, layout, previous, current, source, lock,
                                 startup, force_resume, stop, hooks, note)  # fmt: skip
         finally:
-            engine.close()  # the job's own engine: its memory (and process) go now
+            if owned:
+                engine.close()  # the job's own engine: its memory (and process) go now
 
 
 def _with_engine(

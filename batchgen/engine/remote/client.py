@@ -164,7 +164,7 @@ class EngineProcess:
         from batchgen.engine.model_loader import load_tokenizer, resolve_model_path
 
         self.config = config or EngineConfig()
-        self._session = 0
+        self._calls = 0
         self._taken = 0  # prompts of the current generate call the engine has taken
         self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
         self.cache_stats = CacheStats()
@@ -207,9 +207,9 @@ class EngineProcess:
         from batchgen.engine.engine import NOT_READY
 
         self._check_open()
-        self._session += 1
-        session, self._taken, self._pending = self._session, 0, {}
-        self.server.send(("generate", session, params or SamplingParams(), decode, check_outputs))
+        self._calls += 1
+        call_id, self._taken, self._pending = self._calls, 0, {}
+        self.server.send(("generate", call_id, params or SamplingParams(), decode, check_outputs))
         window = WINDOW_SEQS * self.config.max_num_seqs
         source, sent = iter(prompts), 0
         ended = end_sent = stopping = done = False
@@ -229,25 +229,25 @@ class EngineProcess:
                         self._pending[row[0]] = ids
                         rows.append(row)
                 if rows:
-                    self.server.send(("prompts", session, rows))
+                    self.server.send(("prompts", call_id, rows))
                     sent += len(rows)
                 if ended and not end_sent:
-                    self.server.send(("end", session))
+                    self.server.send(("end", call_id))
                     end_sent = True
                 if stop is not None and not stopping and stop.is_set():
-                    self.server.send(("stop", session))
+                    self.server.send(("stop", call_id))
                     stopping = True
                 message = self.server.next(PROMPT_POLL_S if starved else POLL_S)
                 if message is None:
                     continue
-                if message[0] == "done" and message[1] == session:
+                if message[0] == "done" and message[1] == call_id:
                     self.cache_stats, self.step_report = message[2], message[3]
                     done = True
                     return
                 yield from self._results(message)
         finally:
             if not done:
-                self._abandon(session)
+                self._abandon(call_id)
             self._pending = {}
 
     def has_unfinished(self) -> bool:
@@ -281,28 +281,26 @@ class EngineProcess:
         """An "outputs" message's results, each with its prompt ids back."""
         if message[0] != "outputs":
             raise self.server.failure(message)
-        _, session, results, taken, stats = message
-        if session != self._session:
-            return  # an abandoned call's last words
+        _, _, results, taken, stats = message
         self._taken, self.cache_stats = taken, stats
         pending = self._pending
         for out in results:
             ids = pending.pop(out.request_id) if out.last else pending[out.request_id]
             yield out if out.prompt_token_ids is not None else out._replace(prompt_token_ids=ids)
 
-    def _abandon(self, session: int) -> None:
+    def _abandon(self, call_id: int) -> None:
         """The call ends early (the caller stopped taking results, or it failed): stop the
         server's call and wait for its end. A server that ended has none to send."""
         if not self.server.alive():
             return
         with contextlib.suppress(OSError, ValueError):
-            self.server.send(("stop", session))
+            self.server.send(("stop", call_id))
         while True:
             message = self.server.inbox.get()
             if message[0] == "eof":
                 self.server.inbox.put(message)  # there for the next call to raise
                 return
-            if message[0] == "done" and message[1] == session:
+            if message[0] == "done" and message[1] == call_id:
                 self.cache_stats = message[2]
                 return
 

@@ -2,18 +2,18 @@
 
 To the engine (the server's stdin):
 - ("load", model, config, quiet, step_hook) once; answered ("ready", facts) or an error.
-- per generate call: ("generate", session, params, decode, check_outputs), then
-  ("prompts", session, rows) as prompts become ready, and ("end", session) once there are no
-  more or ("stop", session) to stop after the step in flight. A row is (request id, the prompt
+- per generate call, numbered n from 1: ("generate", n, params, decode, check_outputs), then
+  ("prompts", n, rows) as prompts become ready, and ("end", n) once there are no more or
+  ("stop", n) to stop after the step in flight. A row is (request id, the prompt
   ids as int64 bytes or the prompt itself, sampling, seed key).
 - between calls: ("grammar", params) and ("clear_cache",), answered ("ok",) or an error;
   ("close",).
 
 From the engine (a copy of the server's stdout; what it prints goes to stderr):
-- ("outputs", session, results, prompts taken, cache stats) after a step that finished
+- ("outputs", n, results, prompts taken, cache stats) after a step that finished
   requests or took prompts; a result whose prompt ids are the ones sent comes back with
   prompt_token_ids None (the job's side puts them back).
-- ("done", session, cache stats, step report) when the call ends, after its last outputs.
+- ("done", n, cache stats, step report) when the call ends, after its last outputs.
 - ("error", kind, message): kind "batchgen" or "value" (the user's to fix; the server goes
   on), else "internal" (the server has printed its traceback and exits).
 """

@@ -34,51 +34,51 @@ _END = object()
 
 class Feed:
     """Prompt rows of the current generate call, filled by the reader thread. Rows of another
-    (earlier) session are dropped; end and stop are kept per session too."""
+    (earlier) call are dropped; end and stop are kept per call too."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.session = 0
+        self.call_id = 0
         self._rows: collections.deque[tuple[int, tuple]] = collections.deque()
-        self._ended = 0  # the last session whose prompts all came
-        self._stopped = 0  # the last session asked to stop
+        self._ended = 0  # the last call whose prompts all came
+        self._stopped = 0  # the last call asked to stop
 
-    def begin(self, session: int) -> None:
+    def begin(self, call_id: int) -> None:
         with self.cond:
-            self.session = session
-            while self._rows and self._rows[0][0] < session:
+            self.call_id = call_id
+            while self._rows and self._rows[0][0] < call_id:
                 self._rows.popleft()
 
-    def add(self, session: int, rows: list[tuple]) -> None:
+    def add(self, call_id: int, rows: list[tuple]) -> None:
         with self.cond:
-            self._rows.extend((session, row) for row in rows)
+            self._rows.extend((call_id, row) for row in rows)
             self.cond.notify()
 
-    def end(self, session: int) -> None:
+    def end(self, call_id: int) -> None:
         with self.cond:
-            self._ended = max(self._ended, session)
+            self._ended = max(self._ended, call_id)
             self.cond.notify()
 
-    def stop(self, session: int) -> None:
+    def stop(self, call_id: int) -> None:
         with self.cond:
-            self._stopped = max(self._stopped, session)
+            self._stopped = max(self._stopped, call_id)
             self.cond.notify()
 
     def stopped(self) -> bool:
-        return self._stopped >= self.session
+        return self._stopped >= self.call_id
 
     def take(self, wait: float) -> tuple | object | None:
-        """The next row of this session, _END when it has no more, None if none came within
+        """The next row of this call, _END when it has no more, None if none came within
         `wait` seconds."""
         deadline = None
         with self.cond:
             while True:
                 rows = self._rows
-                while rows and rows[0][0] < self.session:
+                while rows and rows[0][0] < self.call_id:
                     rows.popleft()
-                if rows and rows[0][0] == self.session:
+                if rows and rows[0][0] == self.call_id:
                     return rows.popleft()[1]
-                if self._ended >= self.session or self.stopped():
+                if self._ended >= self.call_id or self.stopped():
                     return _END
                 now = time.monotonic()
                 deadline = deadline or now + wait
@@ -87,12 +87,12 @@ class Feed:
                 self.cond.wait(deadline - now)
 
 
-class Session:
+class Call:
     """One generate call: results go back once per step (when the engine asks whether to
     stop, before each step), with the count of prompts taken so far."""
 
-    def __init__(self, engine: Any, feed: Feed, answers: IO[bytes], session: int) -> None:
-        self.engine, self.feed, self.answers, self.session = engine, feed, answers, session
+    def __init__(self, engine: Any, feed: Feed, answers: IO[bytes], call_id: int) -> None:
+        self.engine, self.feed, self.answers, self.call_id = engine, feed, answers, call_id
         self.outbox: list = []
         self.taken = 0
         self._sent_taken = 0
@@ -104,7 +104,7 @@ class Session:
 
     def flush(self) -> None:
         if self.outbox or self.taken != self._sent_taken:
-            message = ("outputs", self.session, self.outbox, self.taken, self.engine.cache_stats)
+            message = ("outputs", self.call_id, self.outbox, self.taken, self.engine.cache_stats)
             send(self.answers, message)
             self.outbox, self._sent_taken = [], self.taken
 
@@ -172,27 +172,27 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 
 
 def _generate(
-    engine: Any, hook: Any, feed: Feed, answers: IO[bytes], session: int, params: Any,
+    engine: Any, hook: Any, feed: Feed, answers: IO[bytes], call_id: int, params: Any,
     decode: bool, check_outputs: bool,
 ) -> None:  # fmt: skip
-    feed.begin(session)
-    call = Session(engine, feed, answers, session)
+    feed.begin(call_id)
+    current = Call(engine, feed, answers, call_id)
     if hook is not None:
         hook.open()
     started = time.perf_counter()
     try:
         for out in engine.generate(
-            call.prompts(), params, decode=decode, stop=call, check_outputs=check_outputs
+            current.prompts(), params, decode=decode, stop=current, check_outputs=check_outputs
         ):
-            call.keep(out)
-        call.flush()
+            current.keep(out)
+        current.flush()
     except BaseException as exc:
         _report(answers, exc)
     report = None
     if hook is not None:
         hook.close()
         report = hook.report(time.perf_counter() - started)
-    send(answers, ("done", session, engine.cache_stats, report))
+    send(answers, ("done", call_id, engine.cache_stats, report))
 
 
 def _report(answers: IO[bytes], exc: BaseException) -> None:
