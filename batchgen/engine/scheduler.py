@@ -98,7 +98,8 @@ class Scheduler:
         in the prefix cache (which holds those blocks then) when they are admitted."""
         self.add(first)
         first.children = others
-        self._parents.append(first)
+        if others:  # _fork_ready walks these every step: only parents with samples to fork
+            self._parents.append(first)
 
     def _fork_ready(self) -> None:
         for parent in [p for p in self._parents if p.status is not Status.WAITING]:

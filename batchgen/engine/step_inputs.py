@@ -107,7 +107,8 @@ def prepare_step(
     ints.extend(chain.from_iterable((*zip(*L.samples, strict=True), *int_cols)))
     ints.frombytes(array("d", chain.from_iterable(float_cols)).tobytes())  # float64 bits
     ints.extend(chain.from_iterable(getattr(L, name) for name, _, _ in TAIL_SEGMENTS))
-    flat = torch.frombuffer(ints, dtype=torch.int64).clone() if ints else torch.empty(0).long()
+    # a view of the array (which it keeps alive): no copy here, one into the pinned buffer
+    flat = torch.frombuffer(ints, dtype=torch.int64) if ints else torch.empty(0).long()
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
     flags = _flags(int_cols, float_cols) if S else SamplingFlags()
     host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)

@@ -52,6 +52,9 @@ class Transfer:
 
     def _allocate_inputs(self, size: int) -> None:
         self.host_in = [torch.zeros(size, dtype=torch.int64, pin_memory=self.cuda) for _ in (0, 1)]
+        # numpy views for staging: one single-threaded memcpy, where torch's copy_ of a large
+        # step (8192 prompt tokens: ~45k values) wakes its intra-op thread pool
+        self.host_in_np = [t.numpy() for t in self.host_in]
         self.dev_in = (
             [torch.zeros(size, dtype=torch.int64, device=self.device) for _ in (0, 1)]
             if self.cuda
@@ -68,7 +71,7 @@ class Transfer:
         k = self.step % 2
         if self.cuda:
             self.copied[k].synchronize()  # the host buffer's previous copy is done
-        self.host_in[k][:size].copy_(flat)
+        self.host_in_np[k][:size] = flat.numpy()
         if not self.cuda:
             return self.host_in[k][:size]
         with torch.cuda.stream(self.copy_stream):

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
+
 
 class GemmConfig(NamedTuple):
     block_m: int
@@ -168,7 +170,7 @@ def fp8_gemm(
     split = triton.cdiv(k, k_per_split)  # no empty split
     dest = out if split == 1 else torch.empty(split, m, n, device=xq.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    _fp8_gemm_kernel[grid](
+    launch(_fp8_gemm_kernel, grid,
         xq, weight, xs, scale, dest, m, n, k, k_per_split,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GM=GROUP_M,
         EVEN_K=k_per_split * split == k, EXACT_K=min(EXACT_ACCUMULATION_K, config.block_k),
@@ -176,8 +178,15 @@ def fp8_gemm(
     )  # fmt: skip
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            dest, out, m * n, SPLIT=split, BLOCK=block, num_warps=4
+        launch(
+            _sum_splits_kernel,
+            (triton.cdiv(m * n, block),),
+            dest,
+            out,
+            m * n,
+            SPLIT=split,
+            BLOCK=block,
+            num_warps=4,
         )
     return out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
+
 MAX_BLOCK_K = 4096  # columns per loop iteration; wider rows loop
 
 
@@ -57,7 +59,9 @@ def launch_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     m, k = x.shape
     if m == 0:
         return
-    _quantize_rows_kernel[(m,)](
+    launch(
+        _quantize_rows_kernel,
+        (m,),
         x,
         q,
         scale,

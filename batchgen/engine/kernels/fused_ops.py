@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -108,7 +110,7 @@ def launch_rms_norm(
     is stored too."""
     add = residual is not None and total is not None
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
+        launch(_rms_norm_kernel, (rows.shape[0],),
             rows, weight, out, rows if q is None else q, rows if scale is None else scale,
             residual if add else rows, total if add else rows, rows.stride(0), out.stride(0),
             residual.stride(0) if add else 0, total.stride(0) if add else 0, rows.shape[1], eps,
@@ -166,7 +168,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     block = 1024
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
+        launch(_silu_mul_kernel, (triton.cdiv(n, block),), gate, up, out, n, BLOCK=block)
     return out
 
 
@@ -209,8 +211,15 @@ def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tens
         return _with_rows(out.view(shape), q, scale, True)
     block = 1024
     if rows.shape[0]:
-        _silu_mul_merged_kernel[(rows.shape[0], triton.cdiv(half, block))](
-            rows, out, rows.stride(0), out.stride(0), half, BLOCK=block
+        launch(
+            _silu_mul_merged_kernel,
+            (rows.shape[0], triton.cdiv(half, block)),
+            rows,
+            out,
+            rows.stride(0),
+            out.stride(0),
+            half,
+            BLOCK=block,
         )
     return out.view(shape)
 
@@ -255,7 +264,7 @@ def launch_silu_mul_quant(
     [M, I], or float32 to keep the scaled, clamped values before the cast) and scale [M]:
     quantize_rows of out."""
     if gate_up.shape[0]:
-        _silu_mul_quant_kernel[(gate_up.shape[0],)](
+        launch(_silu_mul_quant_kernel, (gate_up.shape[0],),
             gate_up, out, q, scale, gate_up.stride(0), out.stride(0), out.shape[1],
             BLOCK=2048, **_fp8_consts(), num_warps=16,
         )  # fmt: skip
@@ -299,7 +308,7 @@ def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if block > ROW_IN_REGISTERS:
         launch_silu_mul_quant(rows, torch.empty_like(q, dtype=gate_up.dtype), q, scale)
     elif rows.shape[0]:
-        _silu_mul_fp8_row_kernel[(rows.shape[0],)](
+        launch(_silu_mul_fp8_row_kernel, (rows.shape[0],),
             rows, q, scale, rows.stride(0), half, BLOCK=block, **_fp8_consts(),
             num_warps=16 if block >= 4096 else 4,
         )  # fmt: skip

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -77,7 +78,9 @@ def write_kv(
         raise ValueError(f"cache {tuple(k_cache.shape)} does not hold k {tuple(k.shape)}")
     if num_tokens == 0:
         return
-    _kv_write_kernel[(num_tokens,)](
+    launch(
+        _kv_write_kernel,
+        (num_tokens,),
         k,
         v,
         k_cache,

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
+
 LOG2E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # tl.dot operands need >= 16 rows; a GQA group is padded up to this
 NO_WINDOW = 1 << 30  # window passed to the kernels when there is none (> any context)
@@ -293,13 +295,26 @@ def paged_decode(
     sink_ptr = sinks if sinks is not None else context_lens  # never read without sinks
     if num_splits == 1:
         ostrides = (*out.stride()[:2], 0)
-        _decode_kernel[grid](*args, out, out, sink_ptr, *sizes, *strides, *ostrides, **consts)
+        launch(
+            _decode_kernel, grid, *args, out, out, sink_ptr, *sizes, *strides, *ostrides, **consts
+        )
         return out
     num_heads, head_dim = q.shape[1:]
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
-    _decode_kernel[grid](*args, part, lse, sink_ptr, *sizes, *strides, *part.stride()[:3], **consts)
-    _combine_kernel[(num_seqs, num_heads)](
+    launch(
+        _decode_kernel,
+        grid,
+        *args,
+        part,
+        lse,
+        sink_ptr,
+        *sizes,
+        *strides,
+        *part.stride()[:3],
+        **consts,
+    )
+    launch(_combine_kernel, (num_seqs, num_heads),
         part, lse, context_lens, sink_ptr, out, *masks, min_partition, num_splits,
         *out.stride()[:2],
         HEAD_DIM=head_dim,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
 from batchgen.engine.kernels.paged_decode import (
     LOG2E,
     NO_WINDOW,
@@ -169,7 +170,7 @@ def paged_prefill(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     grid = (num_tokens // block_m + num_seqs, num_heads)
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         sinks if sinks is not None else context_lens,  # never read without sinks
         scale * LOG2E, window or NO_WINDOW, chunk or NO_WINDOW, (softcap or 0.0) * LOG2E,

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.launch import launch
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -161,7 +162,7 @@ def _launch(
     v, v_dst, slots = values if values is not None else (k, k_dst, k)  # unread without CACHE
     cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
     blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(k.shape[1], ROPE_BLOCK_H)
-    _rope_kernel[(tokens, blocks)](
+    launch(_rope_kernel, (tokens, blocks),
         q, k, v, cos2, sin2, q_out, k_dst, v_dst, slots, *q.stride()[:2], *k.stride()[:2],
         *v.stride()[:2], cos2.stride(0), *q_out.stride()[:2], *k_dst.stride()[:3], q_heads,
         k.shape[1], HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
