@@ -149,6 +149,11 @@ class ModelRunner:
         # relay[slot]: the newest sampled token of the request in that slot, on the device
         self.relay = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)
         self.backend = make_backend(config, device)
+        self.step_tokens = None  # on CUDA, token_inputs as one kernel launch
+        if device.type == "cuda":
+            from batchgen.engine.kernels.step_tokens import step_tokens
+
+            self.step_tokens = step_tokens
         self.sampler = Sampler(s.vocab_size, device)
         self.penalties: PenaltyState | None = None  # allocated when a request first needs it
         seqs = config.max_num_seqs
@@ -217,8 +222,7 @@ class ModelRunner:
     def forward(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
         """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
         step = unpack_step(flat, host.layout)
-        ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
-        meta = self._metadata(host, step)
+        ids, meta = self._metadata(host, step)
         with self.scope(), step_context(meta):
             out = self.model(
                 input_ids=ids[None],
@@ -245,16 +249,28 @@ class ModelRunner:
         self.sampler = None
         self.backend = None
 
-    def _metadata(self, host: HostStep, step) -> AttentionMetadata:
+    def token_inputs(self, step) -> tuple[torch.Tensor, ...]:
+        """-> (input ids [T] (relayed tokens from the relay), slot_mapping [T] int64 (-1 where
+        the block is unused), cu_seqlens [B + 1] int32, context_lens [B] int32), in torch: the
+        CPU path, and the reference of the one-launch CUDA kernel (kernels.step_tokens)."""
         bs = self.config.block_size
-        tables = self.block_tables[step.seq_slots]  # [B, width]
-        blocks = tables[step.seq_idx, step.positions // bs].long()
+        ids = torch.where(step.relay_src >= 0, self.relay[step.relay_src.clamp(min=0)], step.ids)
+        blocks = self.block_tables[step.seq_slots[step.seq_idx], step.positions // bs].long()
         slot_mapping = torch.where(blocks >= 0, blocks * bs + step.positions % bs, -1)
-        return AttentionMetadata(
+        return ids, slot_mapping, step.cu_seqlens.int(), step.context_lens.int()
+
+    def _metadata(self, host: HostStep, step) -> tuple[torch.Tensor, AttentionMetadata]:
+        """-> (input ids [T], the step's attention metadata)."""
+        if self.step_tokens is not None:
+            inputs = self.step_tokens(step, self.relay, self.block_tables, self.config.block_size)
+        else:
+            inputs = self.token_inputs(step)
+        ids, slot_mapping, cu_seqlens, context_lens = inputs
+        return ids, AttentionMetadata(
             slot_mapping=slot_mapping,
-            cu_seqlens_q=step.cu_seqlens.int(),
-            context_lens=step.context_lens.int(),
-            block_tables=tables,
+            cu_seqlens_q=cu_seqlens,
+            context_lens=context_lens,
+            block_tables=self.block_tables[step.seq_slots],  # [B, width]
             cu_seqlens_q_host=host.cu_seqlens,
             context_lens_host=host.context_lens,
             max_query_len=max(b - a for a, b in pairwise(host.cu_seqlens)),
