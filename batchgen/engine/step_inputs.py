@@ -103,7 +103,9 @@ def prepare_step(
     int_cols = list(zip(*L.sample_ints, strict=True)) if S else []
     float_cols = list(zip(*L.sample_floats, strict=True)) if S else []
     # array.array packs Python ints ~10x faster than torch.tensor(list)
-    ints = array("q", chain.from_iterable(getattr(L, name) for name, _ in MODEL_SEGMENTS))
+    ints = array("q")
+    for name, _ in MODEL_SEGMENTS:  # fromlist: 2.5x faster than from an iterator
+        ints.fromlist(getattr(L, name))
     ints.extend(chain.from_iterable((*zip(*L.samples, strict=True), *int_cols)))
     ints.frombytes(array("d", chain.from_iterable(float_cols)).tobytes())  # float64 bits
     ints.extend(chain.from_iterable(getattr(L, name) for name, _, _ in TAIL_SEGMENTS))
