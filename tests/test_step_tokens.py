@@ -1,6 +1,7 @@
 """The one-launch CUDA kernel for a step's token inputs computes what ModelRunner.token_inputs
 computes in torch (the CPU path): relayed ids, KV-cache slots (-1 for unused blocks), int32
-offsets and context lengths. Needs CUDA."""
+offsets and context lengths (needs CUDA); and it compiles for sm_90 without per-step variants
+(no GPU needed)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import torch
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.step_layout import DeviceStep
 
-pytestmark = pytest.mark.gpu
 
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(
     ("num_decodes", "prefills"), [(256, ()), (3, (700, 1)), (0, (513,)), (1, ())]
@@ -63,3 +63,40 @@ def test_step_tokens_kernel_matches_torch(
     ):
         assert g.dtype == e.dtype, name
         assert torch.equal(g.cpu(), e), name
+
+
+# compiles the kernel for sm_90 in a process without the interpreter (no GPU needed)
+HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from batchgen.engine.kernels.step_tokens import _step_tokens_kernel as kernel
+
+names = kernel.arg_names
+types = {n: "*i64" for n in names if n.endswith(("_ptr", "_out"))}
+types.update(block_tables_ptr="*i32", cu_out="*i32", ctx_out="*i32")
+consts = {"BLOCK_SIZE": 16, "BLOCK": 256}
+signature = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
+constexprs = {(names.index(n),): v for n, v in consts.items()}
+triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.slow
+def test_step_tokens_kernel_compiles_for_hopper_without_per_step_variants() -> None:
+    """Compiled for sm_90 here (no GPU); T, B and the flat buffer's views are not specialized
+    on, so a job's varying step sizes never compile new variants mid-run."""
+    import os
+    import subprocess
+    import sys
+
+    from batchgen.engine.kernels.step_tokens import _VIEWS, _step_tokens_kernel
+
+    params = {p.name: p for p in _step_tokens_kernel.params}
+    assert params["T"].do_not_specialize and params["B"].do_not_specialize
+    assert all(params[name].do_not_specialize_on_alignment for name in _VIEWS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]

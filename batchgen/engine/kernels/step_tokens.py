@@ -15,7 +15,21 @@ from batchgen.engine.kernels.launch import launch
 BLOCK = 256  # tokens per program
 
 
-@triton.jit
+# The inputs are views at offsets of one flat buffer, so their 16-byte alignment follows the
+# parity of T and B, which change from step to step: specializing on it (or on T and B) would
+# compile new variants in the middle of a job.
+_VIEWS = (
+    "ids_ptr",
+    "relay_src_ptr",
+    "positions_ptr",
+    "seq_idx_ptr",
+    "seq_slots_ptr",
+    "cu_seqlens_ptr",
+    "context_lens_ptr",
+)
+
+
+@triton.jit(do_not_specialize=["T", "B"], do_not_specialize_on_alignment=list(_VIEWS))
 def _step_tokens_kernel(
     ids_ptr,  # [T] int64 prompt ids (unused where relay_src >= 0)
     relay_src_ptr,  # [T] int64 relay slot holding the token's value, -1 = ids
