@@ -70,8 +70,11 @@ HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from batchgen.engine.kernels.step_tokens import _step_tokens_kernel as kernel
+from batchgen.engine.kernels.step_tokens import _VIEWS, _step_tokens_kernel as kernel
 
+params = {p.name: p for p in kernel.params}
+assert params["T"].do_not_specialize and params["B"].do_not_specialize, "T or B specialized"
+assert all(params[n].do_not_specialize_on_alignment for n in _VIEWS), "a view's alignment"
 names = kernel.arg_names
 types = {n: "*i64" for n in names if n.endswith(("_ptr", "_out"))}
 types.update(block_tables_ptr="*i32", cu_out="*i32", ctx_out="*i32")
@@ -90,11 +93,6 @@ def test_step_tokens_kernel_compiles_for_hopper_without_per_step_variants() -> N
     import subprocess
     import sys
 
-    from batchgen.engine.kernels.step_tokens import _VIEWS, _step_tokens_kernel
-
-    params = {p.name: p for p in _step_tokens_kernel.params}
-    assert params["T"].do_not_specialize and params["B"].do_not_specialize
-    assert all(params[name].do_not_specialize_on_alignment for name in _VIEWS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=600
