@@ -145,12 +145,19 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     CACHE_FP8: tl.constexpr,
+    FROM_ZERO: tl.constexpr,  # one split and no window or chunk: keys [0, ctx) in one program
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start, end = _split_range(ctx, window, chunk, split, tl.num_programs(2), min_partition, BLOCK_N)
+    if FROM_ZERO:  # start known to be 0: each key's mask is one comparison (on an H200, an
+        start = 0  # FP8-cache 8b layer at batch 256 took 83.7 against 87.0 us, bf16 -0.8%)
+        end = ctx
+    else:
+        start, end = _split_range(
+            ctx, window, chunk, split, tl.num_programs(2), min_partition, BLOCK_N
+        )
     if not DIRECT:  # noqa: SIM102 (compile-time branch around a runtime one)
         if start >= end:
             return  # no keys here: the combine skips this split
@@ -167,7 +174,10 @@ def _decode_kernel(
     head_off = kv_head * stride_ch + d[None, :]
     for n0 in range(start // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        valid = (pos >= start) & (pos < end)
+        if FROM_ZERO:  # noqa: SIM108 (a compile-time branch)
+            valid = pos < end
+        else:
+            valid = (pos >= start) & (pos < end)
         rows = kv_row_offsets(bt_row, stride_btw, pos, valid, stride_cb, stride_cs, BLOCK_SIZE)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + head_off, mask=kv_mask, other=0.0)
@@ -287,6 +297,7 @@ def paged_decode(
     q = q if q.stride(-1) == 1 else q.contiguous()
     consts = _decode_consts(q, k_cache, block_n, num_splits, num_warps, num_stages)
     consts |= {"HAS_SOFTCAP": softcap is not None, "HAS_SINKS": sinks is not None}
+    consts["FROM_ZERO"] = num_splits == 1 and window is None and chunk is None
     grid = (num_seqs, k_cache.shape[2], num_splits)
     args = (q, k_cache, v_cache, block_tables, context_lens)
     masks = (window or NO_WINDOW, chunk or NO_WINDOW)
