@@ -5,6 +5,7 @@ graphs), and loading pre-quantized checkpoints."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 
@@ -178,12 +179,43 @@ def test_engine_fp8_on_cpu_warns_and_matches_its_own_model(model_dir, kv: str) -
     engine.close()
 
 
-def test_fp8_kv_cache_refuses_keys_beyond_its_range(model_dir) -> None:
-    """Keys beyond +-448 would be stored saturated in an FP8 cache (scale 1), and the check's
-    reference rounds them the same way, so the outputs agree: the check refuses them by their
-    range instead, in one line; the same model runs with a 16-bit cache."""
+def test_fp8_kv_cache_scales_keys_beyond_its_range(model_dir) -> None:
+    """Keys beyond +-448 would be stored saturated in an FP8 cache at scale 1: the start-up
+    check measures each layer's keys and values on its probe and stores that layer's keys
+    divided by the power of two that brings them within half the range; the others keep 1. The model
+    then passes the check (its own forward pass over keys rounded the same way) and runs."""
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(5000.0)
+    config = EngineConfig(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=32)
+    with Engine(model, config) as engine:
+        scales = engine.runner.kv_cache.scales.tolist()
+        assert scales[1][0] > 1.0, "layer 1's keys are scaled"
+        assert all(s == [1.0, 1.0] for i, s in enumerate(scales) if i != 1)
+        assert scales[1][1] == 1.0
+        prompt = list(range(3, 40))
+        (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert out.error is None and len(out.output_token_ids) == 6
+        stored = engine.runner.kv_cache.keys[1].float().abs().max().item()
+        assert FP8_MAX / 16 < stored < FP8_MAX, "layer 1's keys stored within range"
+        assert scales[1][0] == 2 ** round(math.log2(scales[1][0])), "a power of two"
+    unchecked = EngineConfig(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=32,
+                             check_model=False)  # fmt: skip
+    with Engine(model, unchecked) as engine:  # no check: no calibration, scale 1
+        assert engine.runner.kv_cache.scales.eq(1.0).all()
+
+
+def test_fp8_kv_cache_refuses_keys_beyond_its_calibrated_range(model_dir, monkeypatch) -> None:
+    """Where the probe's keys reach beyond the cache's range at the scales it set (here, a
+    headroom below 1 sets a range under the keys' peak), the check refuses the model in one
+    line; the same model runs with a 16-bit cache."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine import probe
+
+    monkeypatch.setattr(probe, "KV_HEADROOM", 0.25)
     model = AutoModelForCausalLM.from_pretrained(model_dir("llama"))
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.weight.mul_(5000.0)
@@ -192,7 +224,7 @@ def test_fp8_kv_cache_refuses_keys_beyond_its_range(model_dir) -> None:
         Engine(model, config)
     message = str(refused.value)
     assert "\n" not in message
-    assert re.search(r"keys reach [\d.e+]+ \(layer 1\), beyond the FP8 cache's \+-448", message)
+    assert re.search(r"keys reach [\d.e+]+ \(layer 1\), beyond the FP8 cache's range", message)
     assert "kv_cache_dtype='auto'" in message
     with Engine(model, EngineConfig(device="cpu", num_kv_blocks=32)) as engine:
         assert engine.kv_dtype == torch.float32

@@ -110,6 +110,60 @@ def test_rope_write_kv_into_fp8_cache_is_rope_then_write_kv() -> None:
     tk.check_rope_write_kv(case)
 
 
+@pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)
+def test_scaled_fp8_kv_writes_store_x_over_scale() -> None:
+    """With scales, write_kv stores k / scale and v / scale (saturated beyond), as the
+    reference does, bit for bit; rope_write_kv stores what rope_qk then write_kv do."""
+    dev = torch.device("cuda")
+    scales = torch.tensor([8.0, 0.5], device=dev)
+    cache, _ = tk.paged_setup([40], kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    kc, vc = cache.keys[0], cache.values[0]
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    k, v = torch.randn(2, 7, 2, 64, dtype=torch.bfloat16).to(dev) * 100
+    k[0, 0, 0] = 3072.0  # within 448 x 8: stored as 384
+    v[2, 1, 3] = 1000.0  # beyond 448 x 0.5: stored as 448
+    slots = torch.tensor([3, -1, 17, 47, -1, 16, 0], device=dev)
+    write_kv(k, v, kc, vc, slots, scales)
+    write_kv_reference(kc_ref, vc_ref, k, v, slots, scales)
+    assert kc.view(torch.uint8).equal(kc_ref.view(torch.uint8))
+    assert vc.view(torch.uint8).equal(vc_ref.view(torch.uint8))
+    assert kc.float().view(-1, 2, 64)[3, 0, 0] == 384.0
+    assert vc.float().view(-1, 2, 64)[17, 1, 3] == FP8_MAX
+    case = tk.rope_kv_case(19, 9, 64, torch.bfloat16, FP8_DTYPE, dev)
+    case["k"][0, 0, 0] = case["v"][0, 1, 5] = 1000.0
+    tk.check_rope_write_kv({**case, "kv_scales": scales})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_and_prefill_read_a_scaled_fp8_cache(device: str, num_splits: int) -> None:
+    """A cache holding x / scale: decode (with and without splits) and prefill give the
+    attention over x, i.e. the stored values times their scales."""
+    from batchgen.engine.attention.base import KVCache
+    from batchgen.engine.kernels import paged_prefill
+
+    dev = tk._device(device)
+    q_lens, ctx_lens = [1, 1, 5, 20], [37, 64, 5, 36]
+    cache, tables = tk.paged_setup(ctx_lens, kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    scales = torch.tensor([6.0, 0.25], device=dev)
+    scaled = KVCache([cache.keys[0].float() * 6.0], [cache.values[0].float() * 0.25])
+    q = tk.strided_q(sum(q_lens), 4, 64, torch.bfloat16, dev)
+    ref = tk.reference(q, scaled, tables, q_lens, ctx_lens)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    out = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 64**-0.5,
+                       num_seqs=2, num_splits=num_splits, min_partition=16, block_n=16,
+                       kv_scales=scales)  # fmt: skip
+    assert tk.rel_err(out[:2], ref[:2]) < tk.BF16_TOL
+    unscaled = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 64**-0.5,
+                            num_seqs=2, block_n=16)  # fmt: skip
+    assert tk.rel_err(unscaled[:2], ref[:2]) > 0.1, "the scales must matter here"
+    cu = torch.tensor([0, 1, 2, 7, 27], dtype=torch.int32, device=dev)
+    pre = paged_prefill(q, cache.keys[0], cache.values[0], tables, cu, lens, 64**-0.5,
+                        num_tokens=25, first_seq=2, block_m=16, block_n=16,
+                        kv_scales=scales)  # fmt: skip
+    assert tk.rel_err(pre[2:], ref[2:]) < tk.BF16_TOL
+
+
 # compiles the rotary kernel (alone, or writing a cache) for sm_90 in a process without the
 # interpreter
 HOPPER_COMPILE = """
@@ -119,12 +173,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from batchgen.engine.kernels.rotary import _rope_kernel as kernel
 
-cache, into = sys.argv[1], sys.argv[2]
+cache, into, scaled = sys.argv[1], sys.argv[2], sys.argv[3] == "scaled"
 types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr"), "*bf16")
-types.update(ko_ptr="*" + cache, vo_ptr="*" + cache, slot_ptr="*i64")
+types.update(ko_ptr="*" + cache, vo_ptr="*" + cache, slot_ptr="*i64", scale_ptr="*fp32")
 consts = dict(HALF=64, BLOCK=64, BLOCK_H=8, BLOCK_D=128, FP8_MAX=448.0)
 consts.update(CACHE=into == "cache", BLOCK_SIZE=16 if into == "cache" else 1)
 consts["SATURATE"] = cache == "fp8e4nv"
+consts["SCALED"] = scaled
 names = kernel.arg_names
 signature = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
 constexprs = {(names.index(n),): v for n, v in consts.items()}
@@ -133,15 +188,64 @@ triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda"
 
 
 @pytest.mark.parametrize(
-    ("cache", "into"), [("bf16", "rows"), ("bf16", "cache"), ("fp8e4nv", "cache")]
+    ("cache", "into", "scaled"),
+    [
+        ("bf16", "rows", ""),
+        ("bf16", "cache", ""),
+        ("fp8e4nv", "cache", ""),
+        ("fp8e4nv", "cache", "scaled"),
+    ],
 )
-def test_rotary_kernel_compiles_for_hopper(cache: str, into: str) -> None:
+def test_rotary_kernel_compiles_for_hopper(cache: str, into: str, scaled: str) -> None:
     """The interpreter runs code the compiler refuses (a constexpr branch returning another
     dtype did, and only the GPU run found it): compiled here for sm_90, no GPU needed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", HOPPER_COMPILE, cache, into],
+        [sys.executable, "-c", HOPPER_COMPILE, cache, into, scaled or "unscaled"],
         env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+# compiles the paged attention and KV write kernels over a scaled FP8 cache for sm_90
+ATTENTION_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from batchgen.engine.kernels.kv_write import _kv_write_kernel
+from batchgen.engine.kernels.paged_decode import _decode_kernel
+from batchgen.engine.kernels.paged_prefill import _prefill_kernel
+
+def compile(kernel, types, consts):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    constexprs = {(names.index(n),): v for n, v in consts.items()}
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+
+ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv",
+            block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_ptr="*i32",
+            lse_ptr="*fp32", sinks_ptr="*fp32", kv_scale_ptr="*fp32", scale_log2="fp32",
+            softcap_log2="fp32")
+attention = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, BLOCK_SIZE=16,
+                 HAS_SOFTCAP=False, HAS_SINKS=False, PRECISION="tf32", CACHE_FP8=True,
+                 KV_SCALED=True)
+for direct in (True, False):
+    compile(_decode_kernel, ptrs, dict(attention, BLOCK_G=16, DIRECT=direct, FROM_ZERO=direct))
+compile(_prefill_kernel, ptrs, dict(attention, BLOCK_M=64))
+compile(_kv_write_kernel,
+        dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv",
+             slot_ptr="*i64", scale_ptr="*fp32"),
+        dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, SATURATE=True, FP8_MAX=448.0, SCALED=True))
+"""
+
+
+def test_attention_kernels_over_a_scaled_fp8_cache_compile_for_hopper() -> None:
+    """Decode (one split and several), prefill and the KV write with an FP8 cache's scales,
+    compiled for sm_90 here (the interpreter accepts code the compiler refuses)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", ATTENTION_COMPILE],
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
 

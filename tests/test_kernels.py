@@ -462,7 +462,8 @@ def check_rope_write_kv(case: dict[str, Any]) -> None:
     kc_ref, vc_ref = c["k_cache"].clone(), c["v_cache"].clone()
     q_ref, k_rot = rope_qk(c["q"].transpose(0, 1)[None], c["k"].transpose(0, 1)[None],
                            c["cos"], c["sin"])  # fmt: skip
-    write_kv(k_rot[0].transpose(0, 1), c["v"], kc_ref, vc_ref, c["slot_mapping"])
+    write_kv(k_rot[0].transpose(0, 1), c["v"], kc_ref, vc_ref, c["slot_mapping"],
+             c.get("kv_scales"))  # fmt: skip
     q_out = rope_write_kv(**c)
     assert q_out.shape == c["q"].shape and torch.equal(q_out, q_ref[0].transpose(0, 1))
     for got, want in ((c["k_cache"], kc_ref), (c["v_cache"], vc_ref)):

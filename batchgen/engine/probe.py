@@ -9,9 +9,12 @@ A model is refused, with one line naming its family and the reason, when
 FP8: the model's own forward pass runs the same FP8 Linear layers (quantization is part of the
 model being checked, not an error of batchgen's), with activations unquantized during the
 probe and the quantized product checked on its own (batchgen.engine.quant.check says why);
-with an FP8 KV cache its eager attention sees keys and values rounded as the cache stores
-them, and a model whose keys or values on the probe input reach beyond the cache's range
-(+-448 at scale 1: stored saturated, so both passes would agree on wrong values) is refused.
+with an FP8 KV cache the check first sets the cache's per-layer scales (calibrate_kv_scales:
+a layer whose keys or values on the probe prompts reach beyond half of E4M3's +-448 stores
+them divided by the power of two that brings them there), then its eager attention sees keys
+and values rounded as the cache stores them, and a model whose keys or values on the probe's
+whole sequences still reach beyond the cache's range (stored saturated, so both passes would
+agree on wrong values) is refused.
 What FP8 costs against the 16-bit model is measured elsewhere (the benchmark's
 agreement and KL), not here.
 The probe: fixed random prompts prefilled together in one step, then decoded a few steps, so
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +51,14 @@ RELEVANT_LOGPROB = -12.0  # entries less likely than this are rounding noise in 
 TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6}  # |logprob difference| allowed
 TOLERANCE_16BIT = 0.6
 FP8_KV_REFERENCE = "batchgen-fp8-kv-eager"  # the reference attention for an FP8 KV cache
+KV_HEADROOM = 2.0  # a calibrated FP8 cache holds the probe's largest key or value at 448 / this
 # while the check's reference pass runs over an FP8 cache: (largest |key| or |value|, what, layer)
 _KV_PEAK: contextvars.ContextVar[list[tuple[float, str, int]] | None] = contextvars.ContextVar(
     "batchgen_kv_peak", default=None
+)
+# ... and the cache's (key scale, value scale) per layer, which its rounding divides by
+_KV_SCALES: contextvars.ContextVar[list[tuple[float, float]] | None] = contextvars.ContextVar(
+    "batchgen_kv_scales", default=None
 )
 
 
@@ -70,6 +79,7 @@ def check_model(engine: Engine) -> None:
 def _compare(engine: Engine, family: str) -> None:
     """The probe requests through the engine against the model's own forward pass."""
     prompts = _probe_prompts(engine)
+    scales = calibrate_kv_scales(engine, prompts) if engine.kv_dtype == FP8_DTYPE else None
     params = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, logprobs=PROBE_TOP)
     with attention_audit() as audit:
         try:
@@ -93,17 +103,20 @@ def _compare(engine: Engine, family: str) -> None:
     if failed:
         raise _refuse(family, f"the probe request failed ({failed[0].error})")
     peaks: list[tuple[float, str, int]] = []
-    token = _KV_PEAK.set(peaks)
+    tokens = _KV_PEAK.set(peaks), _KV_SCALES.set(scales)
     try:
         worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
     finally:
-        _KV_PEAK.reset(token)
-    if peaks and max(peaks)[0] > FP8_MAX:
-        peak, what, layer = max(peaks)
+        _KV_PEAK.reset(tokens[0])
+        _KV_SCALES.reset(tokens[1])
+    beyond = [(p, what, i) for p, what, i in peaks if p > FP8_MAX * _scale(scales, i, what)]
+    if beyond:
+        peak, what, layer = max(beyond)
         raise _refuse(
             family,
             f"with kv_cache_dtype='fp8' its {what} reach {peak:.4g} (layer {layer}), beyond the "
-            f"FP8 cache's +-{FP8_MAX:g} (scale 1, no per-layer scales): use kv_cache_dtype='auto'",
+            f"FP8 cache's range there (+-{FP8_MAX:g} x its scale "
+            f"{_scale(scales, layer, what):.4g}): use kv_cache_dtype='auto'",
         )
     limit = TOLERANCE.get(engine.dtype, TOLERANCE_16BIT)
     if worst > limit:
@@ -113,6 +126,39 @@ def _compare(engine: Engine, family: str) -> None:
             f"by {worst:.3g}, more than {engine.dtype} rounding explains): it needs something "
             "batchgen's attention does not implement",
         )
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(engine: Engine, prompts: list[Prompt]) -> list[tuple[float, float]]:
+    """Set an FP8 cache's per-layer (key, value) scales from the model's own forward pass over
+    the prompts -> them: a layer whose largest |key| (|value|) reaches beyond
+    FP8_MAX / KV_HEADROOM stores keys (values) divided by the smallest power of two that
+    brings them within it; the others keep 1 (stored as they are). What the probe does not
+    see, a later prompt may exceed: such values are stored saturated."""
+    layers = len(engine.runner.kv_cache.keys)
+    peak = [[0.0, 0.0] for _ in range(layers)]
+    found: list[tuple[float, str, int]] = []
+    token = _KV_PEAK.set(found)
+    try:
+        for prompt in prompts:
+            _reference_logprobs(engine, list(prompt.prompt))
+    finally:
+        _KV_PEAK.reset(token)
+    for value, what, layer in found:
+        if 0 <= layer < layers:
+            side = what == "values"
+            peak[layer][side] = max(peak[layer][side], value)
+    scales = [(_power_of_two_scale(k), _power_of_two_scale(v)) for k, v in peak]
+    engine.runner.kv_cache.set_scales(scales)
+    return scales
+
+
+def _power_of_two_scale(peak: float) -> float:
+    """The smallest power of two that holds peak within FP8_MAX / KV_HEADROOM, at least 1:
+    dividing by it and multiplying back are exact in float32 (the kernels and the reference
+    then store and read the same values bit for bit)."""
+    need = peak * KV_HEADROOM / FP8_MAX
+    return 1.0 if need <= 1.0 else float(2 ** math.ceil(math.log2(need)))
 
 
 def _probe_prompts(engine: Engine) -> list[Prompt]:
@@ -186,14 +232,31 @@ def _fp8_kv_eager(module: Any, query: Any, key: Any, value: Any, *args: Any, **k
     if eager is None:  # a family without its own eager function: transformers' SDPA one
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as eager
     peaks = _KV_PEAK.get()
+    layer = getattr(module, "layer_idx", -1)
     if peaks is not None:  # the start-up check: what the cache would have to hold
-        layer = getattr(module, "layer_idx", -1)
         peaks.extend(
             (float(t.abs().amax()), what, layer)
             for what, t in (("keys", key), ("values", value))
             if t.numel()
         )
-    return eager(module, query, round_to_fp8(key), round_to_fp8(value), *args, **kwargs)
+    scales = _KV_SCALES.get()
+    key = _as_stored(key, _scale(scales, layer, "keys"))
+    value = _as_stored(value, _scale(scales, layer, "values"))
+    return eager(module, query, key, value, *args, **kwargs)
+
+
+def _scale(scales: list[tuple[float, float]] | None, layer: int, what: str) -> float:
+    """A layer's key or value scale (1 without scales or for a layer not in the cache)."""
+    if scales is None or not 0 <= layer < len(scales):
+        return 1.0
+    return scales[layer][what == "values"]
+
+
+def _as_stored(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an FP8 cache of this scale gives it back: x / scale rounded to E4M3, times scale."""
+    if scale == 1:
+        return round_to_fp8(x)
+    return (round_to_fp8(x.float() / scale).float() * scale).to(x.dtype)
 
 
 def _refuse(family: str, reason: str) -> ModelRefused:

@@ -15,10 +15,36 @@ class KVCache:
 
     Keys and values share head_dim: a model whose value heads are narrower than its key heads
     (multi-head latent attention) stores them zero-padded to the key width.
+
+    scales: [num_layers, 2] float32 on the cache's device, (key scale, value scale) per layer:
+    an FP8 cache stores x / scale and its readers multiply by it; a 16-bit cache keeps ones.
+    A tensor, not numbers, so CUDA graphs captured before the scales are set read them.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    scales: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.scales is None:
+            device = self.keys[0].device if self.keys else None
+            self.scales = torch.ones(len(self.keys), 2, device=device)
+
+    @property
+    def fp8(self) -> bool:
+        return bool(self.keys) and self.keys[0].dtype.itemsize == 1
+
+    def layer_scales(self, layer: int) -> torch.Tensor | None:
+        """The layer's (key, value) scales as a [2] tensor, or None for a 16-bit cache."""
+        return self.scales[layer] if self.fp8 else None
+
+    def set_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Per layer (key scale, value scale), each >= 1; only an FP8 cache takes others than 1."""
+        if len(scales) != len(self.keys):
+            raise ValueError(f"{len(scales)} scale pairs for {len(self.keys)} layers")
+        if not self.fp8 and any(s != (1.0, 1.0) for s in scales):
+            raise ValueError("only an FP8 KV cache stores scaled keys and values")
+        self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
 
     @classmethod
     def allocate(

@@ -6,6 +6,7 @@ layers with chunked masks, logit soft-capping or attention sinks use an explicit
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 
 import torch
@@ -30,7 +31,24 @@ class ReferenceBackend:
         spec: LayerSpec,
     ) -> torch.Tensor:
         k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
-        write_kv_reference(k_cache, v_cache, k, v, meta.slot_mapping)
+        scales = meta.kv_cache.layer_scales(layer)
+        write_kv_reference(k_cache, v_cache, k, v, meta.slot_mapping, scales)
+        k_scale, v_scale = (1.0, 1.0) if scales is None else scales.tolist()
+        if k_scale != 1.0:
+            spec = replace(spec, scale=spec.scale * k_scale)
+        out = self._attend(q, k_cache, v_cache, meta, spec)
+        return out if v_scale == 1.0 else (out.float() * v_scale).to(out.dtype)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: LayerSpec,
+    ) -> torch.Tensor:
+        """Attention over the caches as they are stored (an FP8 cache's key scale is in
+        spec.scale, its value scale is applied by the caller)."""
         out = torch.empty_like(q)
         cu, lens = meta.cu_seqlens_q_host, meta.context_lens_host
         nd = meta.num_decodes
@@ -144,11 +162,16 @@ def write_kv_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
+    """write_kv's result: an FP8 cache holds x / scale, saturated (out-of-range values would
+    be NaN)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     k, v = k[valid], v[valid]
-    if k_cache.dtype == FP8_DTYPE:  # saturate (scale 1): out-of-range values would be NaN
+    if k_cache.dtype == FP8_DTYPE:
+        if kv_scales is not None:
+            k, v = k.float() / kv_scales[0], v.float() / kv_scales[1]
         k, v = (t.float().clamp(-FP8_MAX, FP8_MAX) for t in (k, v))
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)

@@ -121,10 +121,11 @@ class TritonBackend:
         scale, window = spec.scale, spec.window
         extra = {"chunk": spec.chunk, "softcap": spec.softcap, "sinks": spec.sinks}
         k_cache, v_cache = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
+        extra["kv_scales"] = scales = meta.kv_cache.layer_scales(layer)
         if rotary is None:
-            kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         else:
-            q = kern.rope_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
+            q = kern.rope_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.num_decodes:
             kern.paged_decode(

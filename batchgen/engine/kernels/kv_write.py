@@ -11,12 +11,23 @@ from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
+def fp8_stored(x, scale_ptr, SCALED: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as an FP8 cache stores it, in float32: divided by its scale (when SCALED), then
+    clamped to the largest finite FP8 value (beyond it the cast would give NaN)."""
+    x = x.to(tl.float32)
+    if SCALED:
+        x = x / tl.load(scale_ptr)
+    return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _kv_write_kernel(
     k_ptr,  # [T, Hkv, D]
     v_ptr,  # [T, Hkv, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     slot_ptr,  # [T] int64, -1 = padding
+    scale_ptr,  # [2] float32 (key scale, value scale), read when SCALED
     stride_kt,
     stride_kh,
     stride_kd,
@@ -38,6 +49,7 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     SATURATE: tl.constexpr,  # an FP8 cache: clamp to its largest finite value first
     FP8_MAX: tl.constexpr,
+    SCALED: tl.constexpr,  # an FP8 cache with scales: store x / scale
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -53,8 +65,8 @@ def _kv_write_kernel(
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if SATURATE:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
+        k = fp8_stored(k, scale_ptr, SCALED, FP8_MAX)
+        v = fp8_stored(v, scale_ptr + 1, SCALED, FP8_MAX)
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -65,11 +77,13 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write k, v: [T, Hkv, D] (any strides) into caches [num_blocks, block_size, Hkv, D].
 
     slot_mapping: [T] int64 flat slot (block * block_size + offset); -1 = padding, skipped.
-    Values are cast to the cache dtype (an FP8 E4M3 cache: saturated at +-448, scale 1).
+    Values are cast to the cache dtype; an FP8 E4M3 cache stores k / kv_scales[0] and
+    v / kv_scales[1] (kv_scales: [2] float32 on the device; None: 1), saturated at +-448.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape != v_cache.shape:
@@ -86,6 +100,7 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        slot_mapping if kv_scales is None else kv_scales,  # never read without scales
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),
@@ -97,5 +112,6 @@ def write_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         SATURATE=k_cache.dtype == FP8_DTYPE,
         FP8_MAX=FP8_MAX,
+        SCALED=k_cache.dtype == FP8_DTYPE and kv_scales is not None,
         num_warps=4,
     )

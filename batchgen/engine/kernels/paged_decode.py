@@ -68,6 +68,16 @@ def query_operand(q, scale_log2, CACHE_FP8: tl.constexpr):
 
 
 @triton.jit
+def cache_scales(scale_ptr, qk_scale, KV_SCALED: tl.constexpr):
+    """-> (the scores' scale times the cache's key scale, its value scale): an FP8 cache
+    with scales holds x / scale; 1 and qk_scale unchanged otherwise."""
+    if KV_SCALED:
+        return qk_scale * tl.load(scale_ptr), tl.load(scale_ptr + 1)
+    else:
+        return qk_scale, 1.0
+
+
+@triton.jit
 def kv_operands(k, v, CACHE_FP8: tl.constexpr):
     """Loaded K and V tiles -> the products' operands. An FP8 E4M3 cache's become fp16: exact,
     one paired hardware conversion per two values (to bf16, a scalar conversion more per
@@ -119,6 +129,7 @@ def _decode_kernel(
     out_ptr,  # [B, H, D] (DIRECT: one split) or [B, H, S, D] fp32 partials
     lse_ptr,  # [B, H, S] fp32 log2-sum-exp of each partial (unused when DIRECT)
     sinks_ptr,  # [H] fp32 per-head sink logits (read when HAS_SINKS and DIRECT)
+    kv_scale_ptr,  # [2] fp32 the cache's (key, value) scales (read when KV_SCALED)
     scale_log2,
     window,
     chunk,
@@ -145,6 +156,7 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     CACHE_FP8: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     FROM_ZERO: tl.constexpr,  # one split and no window or chunk: keys [0, ctx) in one program
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -167,6 +179,7 @@ def _decode_kernel(
     io_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=io_mask)
     q, qk_scale = query_operand(q, scale_log2, CACHE_FP8)
+    qk_scale, v_scale = cache_scales(kv_scale_ptr, qk_scale, KV_SCALED)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -190,6 +203,8 @@ def _decode_kernel(
         sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * 1.4426950408889634
         l_i, acc = add_sink(m_i, l_i, acc, sink)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (ctx 0): zeros
+    if KV_SCALED:  # partial outputs too: the combine is linear in them
+        acc = acc * v_scale
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
     if not DIRECT:
@@ -271,6 +286,7 @@ def paged_decode(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     num_seqs: int | None = None,
     num_splits: int = 1,
     min_partition: int = 256,
@@ -286,7 +302,8 @@ def paged_decode(
     strides). block_tables: [>= B, W] int32; context_lens: [>= B] int32, read on the device
     (0 gives zeros). window: keys with q_pos - k_pos >= window are masked; chunk: keys before
     q_pos // chunk * chunk are masked; softcap: scores -> softcap * tanh(scores / softcap);
-    sinks: [H] fp32 logits in each head's softmax denominator. Each sequence's
+    sinks: [H] fp32 logits in each head's softmax denominator; kv_scales: an FP8 cache's
+    (key, value) scales, [2] fp32 on the device (it holds x / scale). Each sequence's
     visible keys are cut into num_splits partitions of >= min_partition keys (a multiple of
     block_n). out: optional [>= B, H, D] buffer (contiguous last dim); rows >= B untouched.
     """
@@ -295,7 +312,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    consts = _decode_consts(q, k_cache, block_n, num_splits, num_warps, num_stages)
+    consts = _decode_consts(q, k_cache, kv_scales, block_n, num_splits, num_warps, num_stages)
     consts |= {"HAS_SOFTCAP": softcap is not None, "HAS_SINKS": sinks is not None}
     consts["FROM_ZERO"] = num_splits == 1 and window is None and chunk is None
     grid = (num_seqs, k_cache.shape[2], num_splits)
@@ -304,11 +321,13 @@ def paged_decode(
     sizes = (scale * LOG2E, *masks, (softcap or 0.0) * LOG2E, min_partition, *q.stride()[:2])
     strides = (*k_cache.stride()[:3], *block_tables.stride())
     sink_ptr = sinks if sinks is not None else context_lens  # never read without sinks
+    scale_ptr = kv_scales if kv_scales is not None else context_lens  # nor without scales
     if num_splits == 1:
         ostrides = (*out.stride()[:2], 0)
         launch(
-            _decode_kernel, grid, *args, out, out, sink_ptr, *sizes, *strides, *ostrides, **consts
-        )
+            _decode_kernel, grid, *args, out, out, sink_ptr, scale_ptr, *sizes, *strides,
+            *ostrides, **consts,
+        )  # fmt: skip
         return out
     num_heads, head_dim = q.shape[1:]
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
@@ -320,6 +339,7 @@ def paged_decode(
         part,
         lse,
         sink_ptr,
+        scale_ptr,
         *sizes,
         *strides,
         *part.stride()[:3],
@@ -340,6 +360,7 @@ def paged_decode(
 def _decode_consts(
     q: torch.Tensor,
     k_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
     block_n: int,
     num_splits: int,
     num_warps: int,
@@ -355,7 +376,7 @@ def _decode_consts(
         "BLOCK_SIZE": k_cache.shape[1],
         "DIRECT": num_splits == 1,
         "PRECISION": dot_precision(q.dtype),
-        **cache_consts(k_cache),
+        **cache_consts(k_cache, kv_scales),
         "num_warps": num_warps,
         "num_stages": num_stages,
     }
@@ -380,10 +401,12 @@ def _check_decode(
     return output_buffer(q, out)
 
 
-def cache_consts(k_cache: torch.Tensor) -> dict[str, bool]:
-    """The kernels' constant for the cache's dtype: an FP8 E4M3 cache's tiles, and q, become
-    fp16 operands (query_operand, kv_operands)."""
-    return {"CACHE_FP8": k_cache.dtype == torch.float8_e4m3fn}
+def cache_consts(k_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> dict[str, bool]:
+    """The kernels' constants for the cache's dtype: an FP8 E4M3 cache's tiles, and q, become
+    fp16 operands (query_operand, kv_operands); its scales, when given, are applied
+    (kv_scales)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    return {"CACHE_FP8": fp8, "KV_SCALED": fp8 and kv_scales is not None}
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -19,6 +19,7 @@ from batchgen.engine.kernels.paged_decode import (
     NO_WINDOW,
     add_sink,
     cache_consts,
+    cache_scales,
     check_paged_args,
     dot_precision,
     kv_operands,
@@ -56,6 +57,7 @@ def _prefill_kernel(
     context_lens_ptr,  # [B] int32
     out_ptr,  # [T, H, D]
     sinks_ptr,  # [H] fp32 per-head sink logits (read when HAS_SINKS)
+    kv_scale_ptr,  # [2] fp32 the cache's (key, value) scales (read when KV_SCALED)
     scale_log2,
     window,
     chunk,
@@ -81,6 +83,7 @@ def _prefill_kernel(
     HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     CACHE_FP8: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -99,6 +102,7 @@ def _prefill_kernel(
     tok = (q_begin + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=io_mask)
     q, qk_scale = query_operand(q, scale_log2, CACHE_FP8)
+    qk_scale, v_scale = cache_scales(kv_scale_ptr, qk_scale, KV_SCALED)
     q_pos = ctx - q_len + rows  # [BLOCK_M] position of each query
     hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the last row are never seen
     first = ctx - q_len + m0  # nor before the first row's window or chunk
@@ -128,6 +132,8 @@ def _prefill_kernel(
         sink = tl.load(sinks_ptr + head) * 1.4426950408889634
         l_i, acc = add_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], tl.float32) + sink)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        acc = acc * v_scale
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -148,6 +154,7 @@ def paged_prefill(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
@@ -159,8 +166,9 @@ def paged_prefill(
     q: [T, H, D] (any strides; token rows indexed by the absolute cu_seqlens_q [B + 1] int32).
     Sequence s's queries are the last (cu[s + 1] - cu[s]) of its context_lens[s] positions.
     num_tokens: cu[first_seq + num_seqs] - cu[first_seq], known on the host (it sizes the grid).
-    num_seqs defaults to all sequences from first_seq. window, chunk, softcap, sinks: as in
-    paged_decode. Returns out [T, H, D] (q's dtype); rows outside the sequences are untouched.
+    num_seqs defaults to all sequences from first_seq. window, chunk, softcap, sinks,
+    kv_scales: as in paged_decode. Returns out [T, H, D] (q's dtype); rows outside the
+    sequences are untouched.
     """
     num_seqs = len(cu_seqlens_q) - 1 - first_seq if num_seqs is None else num_seqs
     _, num_heads, head_dim = q.shape
@@ -173,6 +181,7 @@ def paged_prefill(
     launch(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         sinks if sinks is not None else context_lens,  # never read without sinks
+        kv_scales if kv_scales is not None else context_lens,  # nor without scales
         scale * LOG2E, window or NO_WINDOW, chunk or NO_WINDOW, (softcap or 0.0) * LOG2E,
         first_seq, num_seqs,
         *q.stride()[:2], *k_cache.stride()[:3], *block_tables.stride(), *out.stride()[:2],
@@ -185,7 +194,7 @@ def paged_prefill(
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         PRECISION=dot_precision(q.dtype),
-        **cache_consts(k_cache),
+        **cache_consts(k_cache, kv_scales),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

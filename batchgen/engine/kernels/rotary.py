@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.kernels.kv_write import fp8_stored
 from batchgen.engine.kernels.launch import launch
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -17,27 +18,29 @@ from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 def _rope_heads(
     src_ptr, dst_ptr, stride_h, stride_oh, heads, h0, c1, c2, s1, s2, i,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, SATURATE: tl.constexpr = False,
-    FP8_MAX: tl.constexpr = 448.0,
+    FP8_MAX: tl.constexpr = 448.0, scale_ptr=None, SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """Rotate heads [h0, h0 + BLOCK_H) of one token (rows of src/dst at stride_h/stride_oh),
-    rounding to src's dtype; SATURATE: dst is an FP8 cache, clamp to its largest value first."""
+    rounding to src's dtype; SATURATE: dst is an FP8 cache, stored as write_kv stores it."""
     h = h0 + tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & (i < HALF)[None, :]
     src = src_ptr + h[:, None].to(tl.int64) * stride_h + i[None, :]
     dst = dst_ptr + h[:, None].to(tl.int64) * stride_oh + i[None, :]
     x1 = tl.load(src, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-    y1 = _stored((x1 * c1 - x2 * s1).to(src_ptr.dtype.element_ty), SATURATE, FP8_MAX)
-    y2 = _stored((x2 * c2 + x1 * s2).to(src_ptr.dtype.element_ty), SATURATE, FP8_MAX)
+    y1 = _stored((x1 * c1 - x2 * s1).to(src_ptr.dtype.element_ty), scale_ptr, SATURATE, SCALED,
+        FP8_MAX)  # fmt: skip
+    y2 = _stored((x2 * c2 + x1 * s2).to(src_ptr.dtype.element_ty), scale_ptr, SATURATE, SCALED,
+        FP8_MAX)  # fmt: skip
     tl.store(dst, y1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _stored(x, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as written to a cache: clamped to the FP8 range first where SATURATE (as write_kv)."""
+def _stored(x, scale_ptr, SATURATE: tl.constexpr, SCALED: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as written to a cache: where SATURATE (an FP8 cache) as write_kv stores it."""
     if SATURATE:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+        x = fp8_stored(x, scale_ptr, SCALED, FP8_MAX)
     return x
 
 
@@ -55,12 +58,12 @@ def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, slot_ptr, scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_qot, stride_qoh, stride_kob, stride_kos, stride_koh, num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Program (t, j): token t's q heads [j * BLOCK_H, ...) rotated into qo while j < q_blocks,
     then its k heads rotated into ko: its row t (stride_kob), or with CACHE its cache slot
@@ -87,7 +90,7 @@ def _rope_kernel(
         at = (slot // BLOCK_SIZE) * stride_kob + (slot % BLOCK_SIZE) * stride_kos
     _rope_heads(
         k_ptr + t * stride_kt, ko_ptr + at, stride_kh, stride_koh, num_k_heads, h0,
-        c1, c2, s1, s2, i, HALF, BLOCK_H, SATURATE, FP8_MAX,
+        c1, c2, s1, s2, i, HALF, BLOCK_H, SATURATE, FP8_MAX, scale_ptr, SCALED,
     )  # fmt: skip
     if CACHE:
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
@@ -95,7 +98,8 @@ def _rope_kernel(
         mask = (h < num_k_heads) & (d < 2 * HALF)
         x = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
         dst = vo_ptr + at + h * stride_koh + d
-        tl.store(dst, _stored(x, SATURATE, FP8_MAX).to(vo_ptr.dtype.element_ty), mask=mask)
+        x = _stored(x, scale_ptr + 1, SATURATE, SCALED, FP8_MAX)
+        tl.store(dst, x.to(vo_ptr.dtype.element_ty), mask=mask)
 
 
 ROPE_BLOCK_H = 8  # heads per program of _rope_kernel
@@ -128,11 +132,13 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_qk() of q [T, Hq, D] and k [T, Hkv, D] with write_kv() of the rotated k and of v
     [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D], in one launch: returns the
     rotated q [T, Hq, D]; k's rotation exists only in the cache. Values are what rope_qk then
-    write_kv store, bit for bit. cos/sin: [1, T, D] or [T, D]; every last dim contiguous."""
+    write_kv (with the same scales) store, bit for bit. cos/sin: [1, T, D] or [T, D]; every
+    last dim contiguous."""
     tokens, q_heads, dim = q.shape
     if v.shape != k.shape or k_cache.shape != v_cache.shape or k.shape[0] != tokens:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
@@ -142,7 +148,7 @@ def rope_write_kv(
         raise ValueError("rope_write_kv needs contiguous last dims and an even head size")
     q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
     if tokens:
-        _launch(q, k, (v, v_cache, slot_mapping), cos, sin, q_out, k_cache)
+        _launch(q, k, (v, v_cache, slot_mapping), cos, sin, q_out, k_cache, kv_scales)
     return q_out
 
 
@@ -154,18 +160,22 @@ def _launch(
     sin: torch.Tensor,
     q_out: torch.Tensor,
     k_dst: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """_rope_kernel: q [T, Hq, D] rotated into q_out, k [T, Hk, D] into k_dst [blocks,
     block_size, Hk, D]: at row t (values None: k_dst holds one token per block), or at each
-    token's slot with v copied likewise (values: v, v's cache, slots)."""
+    token's slot with v copied likewise (values: v, v's cache, slots; kv_scales: an FP8
+    cache's, as write_kv takes them)."""
     tokens, q_heads, dim = q.shape
     v, v_dst, slots = values if values is not None else (k, k_dst, k)  # unread without CACHE
     cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
     blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(k.shape[1], ROPE_BLOCK_H)
     launch(_rope_kernel, (tokens, blocks),
-        q, k, v, cos2, sin2, q_out, k_dst, v_dst, slots, *q.stride()[:2], *k.stride()[:2],
+        q, k, v, cos2, sin2, q_out, k_dst, v_dst, slots, slots if kv_scales is None else kv_scales,
+        *q.stride()[:2], *k.stride()[:2],
         *v.stride()[:2], cos2.stride(0), *q_out.stride()[:2], *k_dst.stride()[:3], q_heads,
         k.shape[1], HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
         BLOCK_H=ROPE_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim), CACHE=values is not None,
         BLOCK_SIZE=k_dst.shape[1], SATURATE=k_dst.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX,
+        SCALED=k_dst.dtype == FP8_DTYPE and kv_scales is not None,
     )  # fmt: skip
