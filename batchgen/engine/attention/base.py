@@ -39,7 +39,7 @@ class KVCache:
         return self.scales[layer] if self.fp8 else None
 
     def set_scales(self, scales: list[tuple[float, float]]) -> None:
-        """Per layer (key scale, value scale), each >= 1; only an FP8 cache takes others than 1."""
+        """Per layer (key scale, value scale); only an FP8 cache takes others than 1."""
         if len(scales) != len(self.keys):
             raise ValueError(f"{len(scales)} scale pairs for {len(self.keys)} layers")
         if not self.fp8 and any(s != (1.0, 1.0) for s in scales):
