@@ -240,8 +240,8 @@ def _fp8_kv_eager(module: Any, query: Any, key: Any, value: Any, *args: Any, **k
             if t.numel()
         )
     scales = _KV_SCALES.get()
-    key = _as_stored(key, _scale(scales, layer, "keys"))
-    value = _as_stored(value, _scale(scales, layer, "values"))
+    key = round_to_fp8(key, _scale(scales, layer, "keys"))
+    value = round_to_fp8(value, _scale(scales, layer, "values"))
     return eager(module, query, key, value, *args, **kwargs)
 
 
@@ -250,13 +250,6 @@ def _scale(scales: list[tuple[float, float]] | None, layer: int, what: str) -> f
     if scales is None or not 0 <= layer < len(scales):
         return 1.0
     return scales[layer][what == "values"]
-
-
-def _as_stored(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x as an FP8 cache of this scale gives it back: x / scale rounded to E4M3, times scale."""
-    if scale == 1:
-        return round_to_fp8(x)
-    return (round_to_fp8(x.float() / scale).float() * scale).to(x.dtype)
 
 
 def _refuse(family: str, reason: str) -> ModelRefused:

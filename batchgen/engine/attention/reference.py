@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.attention.base import AttentionMetadata, LayerSpec
-from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
+from batchgen.engine.quant.fp8 import FP8_DTYPE, fp8_cache_values
 
 BATCHED_PREFILL_LIMIT = 1 << 22  # sequences x longest chunk x longest context, else a loop
 
@@ -170,9 +170,8 @@ def write_kv_reference(
     slots = slot_mapping[valid]
     k, v = k[valid], v[valid]
     if k_cache.dtype == FP8_DTYPE:
-        if kv_scales is not None:
-            k, v = k.float() / kv_scales[0], v.float() / kv_scales[1]
-        k, v = (t.float().clamp(-FP8_MAX, FP8_MAX) for t in (k, v))
+        k_scale, v_scale = (1.0, 1.0) if kv_scales is None else kv_scales
+        k, v = fp8_cache_values(k, k_scale), fp8_cache_values(v, v_scale)
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 

@@ -41,9 +41,16 @@ def dequantize_weight(
     return (weight.float() * scale.float()[:, None]).to(dtype)
 
 
-def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x as an FP8 cache at scale 1 stores it (saturated at +-FP8_MAX), back in x.dtype."""
-    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype)
+def fp8_cache_values(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """What an FP8 cache of this scale stores for x: x / scale in E4M3, saturated at
+    +-FP8_MAX (beyond it the cast would give NaN). write_kv's reference."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def round_to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as an FP8 cache of this scale gives it back (fp8_cache_values times scale), in
+    x.dtype."""
+    return (fp8_cache_values(x, scale).float() * scale).to(x.dtype)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
