@@ -29,14 +29,18 @@ class KVCache:
         if self.scales is None:
             device = self.keys[0].device if self.keys else None
             self.scales = torch.ones(len(self.keys), 2, device=device)
+        # per layer, made once: the backends ask for them on every layer of every step
+        views = self.scales.unbind(0) if self.fp8 else [None] * len(self.keys)
+        self._layer_scales: list[torch.Tensor | None] = list(views)
 
     @property
     def fp8(self) -> bool:
         return bool(self.keys) and self.keys[0].dtype.itemsize == 1
 
     def layer_scales(self, layer: int) -> torch.Tensor | None:
-        """The layer's (key, value) scales as a [2] tensor, or None for a 16-bit cache."""
-        return self.scales[layer] if self.fp8 else None
+        """The layer's (key, value) scales as a [2] view of scales, or None for a 16-bit
+        cache."""
+        return self._layer_scales[layer]
 
     def set_scales(self, scales: list[tuple[float, float]]) -> None:
         """Per layer (key scale, value scale); only an FP8 cache takes others than 1."""
