@@ -67,6 +67,17 @@ def test_prefix_caching_given_twice_is_one_line_error() -> None:
     assert "give one" in out.output and len(out.output.strip().splitlines()) == 1
 
 
+def test_fp8_lines_compare_kv_capacity_in_tokens() -> None:
+    """Blocks may differ in size between precisions (64 tokens for an FP8 cache on Hopper):
+    the capacity compares in tokens."""
+    infos = {
+        "overlap": {"kv_blocks": 1000, "kv_block_size": 16, "kv_tokens": 16000},
+        "overlap [fp8-kv]": {"kv_blocks": 520, "kv_block_size": 64, "kv_tokens": 33280},
+    }
+    line = run._kv_capacity(infos, "fp8-kv")
+    assert line == "overlap [fp8-kv] KV cache 33,280 tokens (520 blocks of 64), 2.08x bf16's"
+
+
 def test_both_runs_each_loop_with_and_without_the_cache(monkeypatch) -> None:
     seen: list[EngineConfig] = []
 

@@ -73,6 +73,8 @@ def run_batchgen(
     graphs = engine.runner.graphs
     info = {
         "kv_blocks": engine.num_blocks,
+        "kv_block_size": engine.config.block_size,
+        "kv_tokens": engine.num_blocks * engine.config.block_size,
         "graph_capture_s": graphs.report.seconds if graphs else None,
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
