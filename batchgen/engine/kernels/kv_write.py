@@ -12,12 +12,13 @@ from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 @triton.jit
 def fp8_stored(x, scale_ptr, SCALED: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as an FP8 cache stores it, in float32: divided by its scale (when SCALED), then
-    clamped to the largest finite FP8 value (beyond it the cast would give NaN)."""
+    """x as an FP8 cache stores it, in float32 (fp8_cache_values): divided by its scale (when
+    SCALED), clamped to the largest finite FP8 value (beyond it the cast would give NaN), and
+    NaN as 0, so the cache never holds NaN (decode's TMA copies read whole blocks)."""
     x = x.to(tl.float32)
     if SCALED:
         x = x / tl.load(scale_ptr)
-    return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return tl.where(x == x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), 0.0)
 
 
 @triton.jit

@@ -43,8 +43,10 @@ def dequantize_weight(
 
 def fp8_cache_values(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """What an FP8 cache of this scale stores for x: x / scale in E4M3, saturated at
-    +-FP8_MAX (beyond it the cast would give NaN). write_kv's reference."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    +-FP8_MAX (beyond it the cast would give NaN), NaN as 0: an FP8 cache never holds NaN
+    (decode's TMA copies read the slots past a sequence's end, multiplied by 0). write_kv's
+    reference."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).nan_to_num(nan=0.0).to(FP8_DTYPE)
 
 
 def round_to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
