@@ -4,6 +4,7 @@ graphs), and loading pre-quantized checkpoints."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -278,6 +279,28 @@ def test_fp8_kv_doubles_the_blocks_of_a_budget(model_dir) -> None:
     assert blocks[1] == 2 * blocks[0]
 
 
+def test_fp8_kv_block_size_follows_the_device(model_dir, monkeypatch) -> None:
+    """Unset, the block size is the decode tile (64) for an FP8 cache on a GPU with TMA and
+    16 elsewhere; a size that is set is kept."""
+    from batchgen.engine.model_loader import kv_block_size
+
+    pd = importlib.import_module("batchgen.engine.kernels.paged_decode")  # not the function
+    fp8, bf16, cuda = torch.float8_e4m3fn, torch.bfloat16, torch.device("cuda")
+    monkeypatch.setattr(pd, "has_tma", lambda device: device.type == "cuda")
+    assert kv_block_size(EngineConfig(), fp8, cuda) == 64
+    assert kv_block_size(EngineConfig(), bf16, cuda) == 16
+    assert kv_block_size(EngineConfig(), fp8, torch.device("cpu")) == 16
+    assert kv_block_size(EngineConfig(block_size=16), fp8, cuda) == 16
+    monkeypatch.setattr(pd, "has_tma", lambda device: False)  # an FP8 GPU before Hopper
+    assert kv_block_size(EngineConfig(), fp8, cuda) == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = EngineConfig(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=32,
+                              check_model=False)  # fmt: skip
+        with Engine(model_dir("llama"), config) as engine:
+            assert engine.config.block_size == 16 and engine.blocks.block_size == 16
+
+
 def test_bad_settings_refused(model_dir) -> None:
     with pytest.raises(ValueError, match="quantization='int4' is not allowed"):
         EngineConfig(quantization="int4")
@@ -424,6 +447,26 @@ def test_engine_fp8_on_gpu_with_graphs(model_dir, kv: str) -> None:
                          cuda_graphs=False)  # fmt: skip
     with Engine(path, eager) as engine:
         assert _greedy(engine, prompts) == graphed
+
+
+@pytest.mark.gpu
+def test_fp8_kv_on_hopper_takes_tma_blocks_and_the_same_tokens(model_dir) -> None:
+    """On a GPU with TMA an FP8 cache gets 64-token blocks (decode by TMA copies): the same
+    greedy tokens as 16-token blocks (pointer loads), graphed and eager."""
+    from batchgen.engine.kernels.paged_decode import has_tma
+
+    if not has_tma(torch.device("cuda")):
+        pytest.skip("needs a GPU with TMA (compute capability 9.0+)")
+    path = model_dir("llama", hidden_size=128, intermediate_size=256, initializer_range=0.02)
+    prompts = [[5, 9, 30, 7], [11, 12, 13, 14, 15, 16, 17], list(range(20, 150))]
+    tokens = {}
+    for block_size, graphs in ((None, True), (None, False), (16, True)):
+        config = EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=64, block_size=block_size,
+                              cuda_graphs=graphs)  # fmt: skip
+        with Engine(path, config) as engine:
+            assert engine.config.block_size == (64 if block_size is None else 16)
+            tokens[block_size, graphs] = _greedy(engine, prompts)
+    assert tokens[None, True] == tokens[None, False] == tokens[16, True]
 
 
 @pytest.mark.gpu

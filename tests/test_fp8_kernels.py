@@ -110,6 +110,38 @@ def test_rope_write_kv_into_fp8_cache_is_rope_then_write_kv() -> None:
     tk.check_rope_write_kv(case)
 
 
+def test_fp8_cache_values_never_nan() -> None:
+    """What an FP8 cache stores: saturated at +-448, NaN as 0 (the cache never holds NaN)."""
+    from batchgen.engine.quant.fp8 import fp8_cache_values
+
+    x = torch.tensor([float("nan"), 1000.0, -1000.0, 1.0, float("inf")])
+    assert fp8_cache_values(x).float().tolist() == [0.0, FP8_MAX, -FP8_MAX, 1.0, FP8_MAX]
+    assert fp8_cache_values(x, 0.5).float().tolist()[:4] == [0.0, FP8_MAX, -FP8_MAX, 2.0]
+
+
+@pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)
+def test_fp8_kv_writes_store_nan_as_zero() -> None:
+    """write_kv and rope_write_kv store a NaN key or value as 0, as the reference does, bit
+    for bit: decode's TMA copies read whole blocks and rely on a cache without NaN."""
+    dev = torch.device("cuda")
+    cache, _ = tk.paged_setup([40], kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    kc, vc = cache.keys[0], cache.values[0]
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    k, v = torch.randn(2, 7, 2, 64, dtype=torch.bfloat16).to(dev)
+    k[0, 0, 0] = v[2, 1, 3] = float("nan")
+    slots = torch.tensor([3, -1, 17, 47, -1, 16, 0], device=dev)
+    write_kv(k, v, kc, vc, slots)
+    write_kv_reference(kc_ref, vc_ref, k, v, slots)
+    assert kc.view(torch.uint8).equal(kc_ref.view(torch.uint8))
+    assert vc.view(torch.uint8).equal(vc_ref.view(torch.uint8))
+    assert kc.float().view(-1, 2, 64)[3, 0, 0] == 0 and vc.float().view(-1, 2, 64)[17, 1, 3] == 0
+    assert not (kc.float().isnan().any() or vc.float().isnan().any())
+    case = tk.rope_kv_case(19, 9, 64, torch.bfloat16, FP8_DTYPE, dev)
+    case["k"][0, 0, 0] = case["v"][0, 1, 5] = float("nan")
+    tk.check_rope_write_kv(case)
+    assert not (case["k_cache"].float().isnan().any() or case["v_cache"].float().isnan().any())
+
+
 @pytest.mark.gpu  # the interpreter's cast to float8 is not torch's (see above)
 def test_scaled_fp8_kv_writes_store_x_over_scale() -> None:
     """With scales, write_kv stores k / scale and v / scale (saturated beyond), as the
@@ -230,7 +262,12 @@ attention = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, BLOCK_SIZE=16,
                  HAS_SOFTCAP=False, HAS_SINKS=False, PRECISION="tf32", CACHE_FP8=True,
                  KV_SCALED=True)
 for direct in (True, False):
-    compile(_decode_kernel, ptrs, dict(attention, BLOCK_G=16, DIRECT=direct, FROM_ZERO=direct))
+    for tma in (False, True):  # TMA: the caches are descriptors of one 64-token block per copy
+        block = dict(BLOCK_SIZE=64) if tma else {}
+        desc = "tensordesc<fp8e4nv[1, 64, 1, 128]>"
+        types = dict(ptrs, k_cache_ptr=desc, v_cache_ptr=desc) if tma else ptrs
+        consts = dict(attention, BLOCK_G=16, DIRECT=direct, FROM_ZERO=direct, TMA=tma, **block)
+        compile(_decode_kernel, types, consts)
 compile(_prefill_kernel, ptrs, dict(attention, BLOCK_M=64))
 compile(_kv_write_kernel,
         dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv",
@@ -240,8 +277,9 @@ compile(_kv_write_kernel,
 
 
 def test_attention_kernels_over_a_scaled_fp8_cache_compile_for_hopper() -> None:
-    """Decode (one split and several), prefill and the KV write with an FP8 cache's scales,
-    compiled for sm_90 here (the interpreter accepts code the compiler refuses)."""
+    """Decode (one split and several, pointer or TMA loads), prefill and the KV write with an
+    FP8 cache's scales, compiled for sm_90 here (the interpreter accepts code the compiler
+    refuses)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-c", ATTENTION_COMPILE],
@@ -262,6 +300,69 @@ def test_decode_reads_fp8_cache(device: str, num_splits: int) -> None:
                        num_splits=num_splits, min_partition=16, block_n=16)  # fmt: skip
     ref = tk.reference(q, cache, tables, [1] * len(ctx_lens), ctx_lens)  # float32 from fp8
     assert tk.rel_err(out, ref) < tk.BF16_TOL
+
+
+def _stale_extremes(cache, tables: torch.Tensor, ctx_lens: list[int]) -> None:
+    """+-448 (E4M3's largest values) in every cache slot no sequence reads: past each end and
+    in blocks no table names (what an earlier sequence can leave there; never NaN, which an
+    FP8 cache does not hold: test_fp8_kv_writes_store_nan_as_zero)."""
+    block = cache.keys[0].shape[1]
+    used = torch.zeros(cache.keys[0].shape[:2], dtype=torch.bool, device=tables.device)
+    for i, n in enumerate(ctx_lens):
+        for j in range(n):
+            used[tables[i, j // block], j % block] = True
+    for t, stale in ((cache.keys[0], FP8_MAX), (cache.values[0], -FP8_MAX)):
+        t.copy_(torch.where(used[..., None, None], t.float(), stale).to(t.dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("feature", "num_splits"),
+    [("", 1), ("", 3), ("window", 1), ("window", 4), ("chunk", 1), ("softcap", 3), ("sinks", 1),
+     ("sinks", 3)],
+)  # fmt: skip
+def test_decode_by_tma_copies_of_fp8_blocks(device: str, feature: str, num_splits: int) -> None:
+    """Each K and V tile one TMA copy of a whole block (tma=True): the attention over the
+    scaled cache with every mask, split and feature, though the slots past each end and the
+    blocks no table names hold E4M3's extremes; the pointer loads' result within float
+    rounding."""
+    from batchgen.engine.attention.base import KVCache
+
+    dev = tk._device(device)
+    ctx_lens = [1, 15, 16, 17, 40, 70]
+    cache, tables = tk.paged_setup(ctx_lens, kv_heads=2, head_dim=64, dtype=FP8_DTYPE, device=dev)
+    features = {"window": 7} if feature == "window" else tk.features_for(feature, 8, dev)
+    scales = torch.tensor([4.0, 0.5], device=dev)
+    scaled = KVCache([cache.keys[0].float() * 4.0], [cache.values[0].float() * 0.5])
+    q = tk.strided_q(len(ctx_lens), 8, 64, torch.bfloat16, dev)
+    ref = tk.reference(q, scaled, tables, [1] * len(ctx_lens), ctx_lens, **features)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    kwargs = dict(features, num_splits=num_splits, min_partition=16, block_n=16, kv_scales=scales)
+    pointers = paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 0.125, **kwargs)
+    _stale_extremes(cache, tables, ctx_lens)
+    out = tk.poisoned(q)
+    paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 0.125, out=out, tma=True,
+                 **kwargs)  # fmt: skip
+    assert out[len(ctx_lens) :].isnan().all() and out[: len(ctx_lens)].isfinite().all()
+    assert tk.rel_err(out[: len(ctx_lens)], ref) < tk.BF16_TOL
+    torch.testing.assert_close(out[: len(ctx_lens)], pointers, rtol=1e-2, atol=1e-2)
+
+
+def test_decode_tma_needs_one_block_per_tile() -> None:
+    """tma=True where a tile is not one block, or on a 16-bit cache, is refused, not run
+    wrongly; on the CPU auto stays off."""
+    from batchgen.engine.kernels.paged_decode import _decode_tma
+
+    cache, tables = tk.paged_setup([20], kv_heads=1, head_dim=64, dtype=FP8_DTYPE,
+                                   device=torch.device("cpu"))  # fmt: skip
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="tma=True needs an 8-bit cache in blocks of block_n=32"):
+        paged_decode(q, cache.keys[0], cache.values[0], tables, lens, 0.125, block_n=32, tma=True)
+    bf16 = cache.keys[0].to(torch.bfloat16)  # a 16-bit cache may hold NaN: never by TMA
+    with pytest.raises(ValueError, match="tma=True needs an 8-bit cache"):
+        paged_decode(q, bf16, bf16, tables, lens, 0.125, block_n=16, tma=True)
+    assert not _decode_tma(cache.keys[0], 16, None)  # a CPU cache: no TMA unless asked
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,7 +24,9 @@ class EngineConfig:
     # pre-quantized FP8 checkpoint runs in FP8 whatever this says (its config tells).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "fp8" = E4M3, per-tensor scales
-    block_size: int = 16  # tokens per KV-cache block
+    # tokens per KV-cache block; None = 64 for an FP8 cache on a GPU with TMA (compute
+    # capability 9.0+: decode attention copies each block with one TMA load), else 16
+    block_size: int | None = None
     num_kv_blocks: int | None = None  # None = sized from memory (kv_cache_memory_fraction / cpu)
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory after the model loads
     cpu_kv_cache_gib: float = 1.0  # KV cache size on the CPU device when num_kv_blocks is None
@@ -68,7 +70,7 @@ class EngineConfig:
             "auto or fp8",
         )
         check_field(
-            self.block_size in (8, 16, 32, 64, 128),
+            self.block_size in (None, 8, 16, 32, 64, 128),
             "block_size",
             self.block_size,
             "8, 16, 32, 64 or 128",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import os
@@ -24,6 +25,7 @@ from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_sp
 from batchgen.engine.model_loader import (
     adopt_model,
     eos_token_ids,
+    kv_block_size,
     kv_cache_dtype,
     load_model,
     load_tokenizer,
@@ -102,6 +104,8 @@ class Engine:
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
+        block_size = kv_block_size(self.config, self.kv_dtype, self.device)
+        self.config = dataclasses.replace(self.config, block_size=block_size)
         self.num_blocks = plan_num_blocks(
             self.config, self.shape, self.kv_dtype, self.device, self.max_model_len
         )

@@ -115,6 +115,24 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     return FP8_DTYPE
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where EngineConfig.block_size is unset
+
+
+def kv_block_size(config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per KV block: config.block_size, or where it is unset an 8-bit cache's decode
+    tile on a GPU with TMA (each tile then one TMA copy of one block: on an H200, 8b heads at
+    batch 256, 72.6 against 82.5 us per layer), else DEFAULT_BLOCK_SIZE."""
+    if config.block_size is not None:
+        return config.block_size
+    if kv_dtype.itemsize == 1 and device.type == "cuda":
+        from batchgen.engine.attention.triton import TritonTuning
+        from batchgen.engine.kernels.paged_decode import has_tma
+
+        if has_tma(device):
+            return TritonTuning.decode_8bit_block_n
+    return DEFAULT_BLOCK_SIZE
+
+
 def load_model(
     model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
 ) -> PreTrainedModel:
