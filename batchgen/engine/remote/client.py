@@ -16,6 +16,7 @@ SIGTERM: stopping is this side's to decide, after the step in flight is written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import queue
@@ -187,6 +188,7 @@ class EngineProcess:
         self.dtype = getattr(torch, facts["dtype"])
         self.max_model_len: int = facts["max_model_len"]
         self.num_blocks: int = facts["num_blocks"]
+        self.config = dataclasses.replace(self.config, block_size=facts["block_size"])
         self.fingerprint = facts["fingerprint"]
         phases = facts["startup_s"]
         rest = time.perf_counter() - started - sum(phases.values())
