@@ -21,6 +21,7 @@ from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
 from batchgen.engine.quant.checkpoint import checkpoint_format, load_fp8_checkpoint
+from batchgen.engine.upload import upload_model
 from batchgen.errors import BatchgenError
 
 DEFAULT_MODEL = "default"  # the embedded tiny model, built locally on first use
@@ -160,7 +161,7 @@ def load_model(
                 f"could not load model '{model}' ({_first_line(exc)}): check the model folder "
                 "or hub id"
             ) from exc
-        loaded = loaded.to(device).eval()
+        loaded = upload_model(loaded, device).eval()
         if quantization == "fp8" and fmt is None:
             quantize_model(loaded)
         return loaded
