@@ -94,8 +94,11 @@ class DecodeGraphs:
         flat = self.static
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # warm up (kernel compiles, cuBLAS's workspace for this stream, lazy initialisation
+        # stay out of the graph): the first size twice, the others once (the first warmed
+        # what all sizes share; -14 forwards of start-up)
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out
+            for _ in range(1 if self.graphs else 2):
                 self.forward(flat, host)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
