@@ -19,6 +19,7 @@ import click
 
 from batchgen.errors import BatchgenError, JobStopped
 from batchgen.home import logs_dir, use_bytecode_cache
+from batchgen.skipped_imports import skip_unused_imports
 
 EXIT_INCOMPLETE = 1  # the job ended with rows not committed
 EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
@@ -133,6 +134,7 @@ def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> 
 def main() -> None:
     """Offline batch generation with a continuous-batching engine."""
     use_bytecode_cache()  # before any command imports torch
+    skip_unused_imports()
 
 
 @main.command()

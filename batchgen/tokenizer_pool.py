@@ -38,6 +38,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from batchgen.home import use_bytecode_cache
 from batchgen.prompts import RowPrompt
+from batchgen.skipped_imports import skip_unused_imports
 
 if TYPE_CHECKING:  # a worker does not import pyarrow for a type
     from batchgen.io import RawRow
@@ -274,6 +275,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
     use_bytecode_cache()  # before the tokenizer's modules are imported
+    skip_unused_imports()
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -26,6 +26,7 @@ from batchgen.engine.remote.placement import CPUS_ENV
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
 from batchgen.home import use_bytecode_cache
+from batchgen.skipped_imports import skip_unused_imports
 
 IDLE_WAIT_S = 0.05  # how long an idle engine waits for the next prompt before asking again
 PR_SET_PDEATHSIG = 1
@@ -274,6 +275,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     use_bytecode_cache()  # before torch is imported
+    skip_unused_imports()
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr

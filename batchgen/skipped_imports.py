@@ -1,0 +1,32 @@
+"""Packages batchgen's own processes keep from being imported.
+
+transformers up to 5.17 imports scikit-learn whenever it is installed, as its model classes
+load (`generation/candidate_generator.py` takes `roc_curve` for assisted decoding's threshold,
+at import time; later versions import it when used): 1.3 s of an H200 host's 5-7 s of
+start-up imports, for a function batchgen never calls. A None entry in `sys.modules` makes the
+package look missing: `importlib.util.find_spec` answers None (transformers then treats it as
+not installed) and an import of it raises ImportError, never a silent substitute.
+
+Only processes batchgen owns do this (the command line, the engine server, the tokenizer
+workers): the Python API leaves the caller's process as it is. BATCHGEN_SKIP_IMPORTS=0 turns
+it off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SKIPPED = ("sklearn",)
+ENV = "BATCHGEN_SKIP_IMPORTS"
+
+
+def skip_unused_imports() -> tuple[str, ...]:
+    """Mark SKIPPED packages missing in this process (before transformers is imported);
+    -> those marked now (none when turned off or already imported)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return ()
+    marked = tuple(name for name in SKIPPED if name not in sys.modules)
+    for name in marked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    return marked
