@@ -230,8 +230,12 @@ def run(
 
 def _early_engine_server(spec: Any, place: Any) -> Any:
     """A job whose engine will likely get a process of its own (a GPU is visible) starts that
-    process now: it imports torch and the engine while this one imports the job's modules."""
-    from batchgen.engine.remote.client import EngineServer
+    process now, and asks it for the job's model: it imports torch and the engine and loads
+    the model while this one imports the job's modules and checks the job. The job takes
+    the loaded engine if it asks for the same (EngineProcess); a job that stops first (a bad
+    input, an output from another job) closes it unused, before any output is written."""
+    from batchgen.engine.model_path import DEFAULT_MODEL, resolve_model_path
+    from batchgen.engine.remote.client import EngineServer, load_key
     from batchgen.engine.remote.placement import gpu_visible, keep_process_off
 
     if place is not None and place.world_size > 1:
@@ -242,6 +246,12 @@ def _early_engine_server(spec: Any, place: Any) -> Any:
     cpus = spec.engine_cores(os.sched_getaffinity(0))
     server = EngineServer(cpus)
     keep_process_off(cpus)  # this process's threads, and those it starts, leave it its cores
+    if spec.model.path != DEFAULT_MODEL:  # the default is built (once) by the job's process
+        try:
+            source = resolve_model_path(spec.model.path)
+        except BatchgenError:
+            return server  # the job says what is wrong with it, in its own order
+        server.load(load_key(source, spec.engine, spec.pipeline.quiet, None))
     return server
 
 

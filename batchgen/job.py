@@ -294,6 +294,8 @@ def _run(
         result_file=None if files is None else files.result_file,
         error_file=None if files is None else files.error_file,
         startup_s=startup,
+        # the job's own engine process: its phases, whole (startup_s has what was waited for)
+        engine_startup_s=engine.engine_startup_s if "engine_process" in startup else {},
     )
     write_json_atomic(layout.summary, summary.to_dict())
     return JobResult(summary, stop.is_set(), profile_file=None if profile is None else str(profile))

@@ -41,6 +41,10 @@ class JobSummary:
     # phase -> seconds, in order; from the CLI the first is "process" (from the process's
     # start) and the phases add up to the time from process start to the first committed row
     startup_s: dict[str, float] = field(default_factory=dict)
+    # an engine in a process of its own: that process's phases, whole ("process": its start
+    # and imports, then the engine's). Where it began loading before the job asked for it,
+    # they overlap the job's, and startup_s counts only what the job waited for
+    engine_startup_s: dict[str, float] = field(default_factory=dict)
     # ranks that ran the job (data-parallel): the counts are their totals, each start-up
     # phase the slowest rank's
     world_size: int = 1

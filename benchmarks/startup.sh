@@ -24,5 +24,9 @@ total = float(sys.argv[4]) - float(sys.argv[3])
 first_row = sum(phases.values())  # the phases run one after another: start -> first row
 print(f"{sys.argv[2]}: start -> first row {first_row:.1f} s (process exits at {total:.1f} s); "
       "phases " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+engine = summary.get("engine_startup_s")
+if engine:  # the engine's own process, loading while the job's process started
+    print("  engine process (its own, overlapping): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in engine.items()))
 PY
 done

@@ -17,7 +17,7 @@ import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine import NOT_READY, Prompt
-from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine.remote.client import EngineProcess, EngineServer, load_key, waited_phases
 from batchgen.engine.remote.placement import kept_cores, off_cores
 from batchgen.job import run_job
 from batchgen.spec import PipelineConfig, load_spec
@@ -292,7 +292,10 @@ def test_an_engine_process_runs_on_the_cores_kept_for_it(model: Path) -> None:
         pytest.skip("needs two cores")
     kept = kept_cores(1, before)
     with EngineProcess(str(model), CPU, quiet=True, cpus=kept) as engine:
-        assert os.sched_getaffinity(engine.server.process.pid) == kept
+        pid = engine.server.process.pid
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(threads) > 1  # the pipe reader at least
+        assert all(os.sched_getaffinity(t) == kept for t in threads)  # all of them, once loaded
         assert engine.server.cpus == kept
         assert len(list(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)))) == 1
 
@@ -336,3 +339,97 @@ def test_keeping_a_process_off_cores_covers_its_running_threads() -> None:
     assert run.returncode == 0, run.stderr
     rest = str(before[:-1])
     assert run.stdout.strip() == f"{rest} {rest} {rest}"  # running, started later, the caller
+
+
+def test_waited_phases_count_only_what_came_after_the_ask() -> None:
+    phases = {"load": 2.0, "shape": 0.5, "kv_cache_and_graphs": 1.5}
+    # asked before the engine began: its phases whole, the rest of the wait before them
+    assert waited_phases(10.0, 15.0, 11.0, phases) == {"engine_process": 1.0, **phases}
+    # asked during "shape": "load" is gone, "shape" counts its part after the ask
+    assert waited_phases(12.25, 14.0, 10.0, phases) == {
+        "engine_process": 0.0, "load": 0.0, "shape": 0.25, "kv_cache_and_graphs": 1.5,
+    }  # fmt: skip
+    # asked after the engine was ready: only the wait itself (the pipes, the tokenizer)
+    assert waited_phases(20.0, 20.5, 10.0, phases) == {
+        "engine_process": 0.5, "load": 0.0, "shape": 0.0, "kv_cache_and_graphs": 0.0,
+    }  # fmt: skip
+
+
+def _ready(server: EngineServer) -> None:
+    """Wait until the server has answered its load (the answer is left for EngineProcess)."""
+    message = None
+    while message is None:
+        message = server.next(0.05)
+    server.inbox.put(message)
+
+
+def test_a_server_asked_early_for_the_same_engine_is_taken(model: Path) -> None:
+    """The command line asks its early server for the job's model; the job's EngineProcess
+    takes that engine (no second load) and counts none of its phases as waited for."""
+    server = EngineServer()
+    server.load(load_key(str(model), CPU, True, None))
+    _ready(server)
+    with EngineProcess(str(model), CPU, quiet=True, server=server) as engine:
+        assert engine.server is server
+        waited = engine.startup_s
+        assert next(iter(waited)) == "engine_process" and "load" in waited
+        assert all(waited[k] == 0.0 for k in waited if k != "engine_process")
+        whole = engine.engine_startup_s
+        assert list(whole)[:2] == ["process", "load"] and whole["load"] > 0
+        out = list(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3)))
+        assert len(out[0].output_token_ids) == 3
+
+
+def test_a_server_asked_for_another_engine_is_replaced(model: Path) -> None:
+    early = EngineServer()
+    early.load(load_key(str(model), EngineConfig(device="cpu", max_num_seqs=3), True, None))
+    with EngineProcess(str(model), CPU, quiet=True, server=early) as engine:
+        assert engine.server is not early and early.closed
+        assert early.process.wait(timeout=60) is not None
+        assert engine.config.max_num_seqs == CPU.max_num_seqs
+        assert len(list(engine.generate([[5, 6]], SamplingParams(max_new_tokens=2)))) == 1
+
+
+def test_the_command_line_loads_the_engine_before_the_job_asks(model: Path, tmp_path) -> None:
+    """`batchgen run` whose engine gets a process of its own asks it for the model at once;
+    the summary gives the phases waited for and the engine process's own."""
+    spec = _job_spec(model, tmp_path, "cli", "process")
+    args = ["run", "--model", str(model), "--input", str(spec.input.path), "--output",
+            str(tmp_path / "cli"), "--quiet", "--set", "runtime.device='cpu'", "--set",
+            "runtime.engine_process='process'", "--max-new-tokens", "4"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert summary["rows_ok"] == 30 and summary["rows_error"] == 1
+    waited, whole = summary["startup_s"], summary["engine_startup_s"]
+    assert {"process", "checks", "engine_process", "load", "first_row"} <= set(waited)
+    assert {"process", "load", "kv_cache_and_graphs"} <= set(whole) and whole["load"] > 0
+    assert all(waited[k] <= whole[k] + 1e-3 for k in ("load", "shape", "kv_cache_and_graphs"))
+
+
+def test_an_early_load_does_not_come_before_the_jobs_own_errors(model: Path, tmp_path) -> None:
+    """The early server is loading when the job finds its input missing: that is the error,
+    and the server goes."""
+    args = ["run", "--model", str(model), "--input", str(tmp_path / "missing.jsonl"),
+            "--output", str(tmp_path / "out"), "--quiet", "--set", "runtime.device='cpu'",
+            "--set", "runtime.engine_process='process'"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "missing.jsonl" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_server_closed_while_it_loads_ends_without_finishing(model: Path) -> None:
+    """A job that stops before it needs its engine (bad input) closes the early server: it
+    ends at once, not after its load."""
+    server = EngineServer()
+    server.load(load_key(str(model), CPU, True, None))
+    server.close()  # in the pipe before the server has read its load request
+    assert server.process.returncode == 0
+    messages = [server.inbox.get()[0]]  # the answers until the pipe's end (it has ended)
+    while messages[-1] != "eof":
+        messages.append(server.inbox.get()[0])
+    assert messages == ["eof"]  # no "ready": it did not finish loading

@@ -19,12 +19,11 @@ from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
 from batchgen.engine.quant.checkpoint import checkpoint_format, load_fp8_checkpoint
 from batchgen.engine.upload import upload_model
 from batchgen.errors import BatchgenError
-
-DEFAULT_MODEL = "default"  # the embedded tiny model, built locally on first use
 
 
 class ModelShape(NamedTuple):
@@ -60,29 +59,6 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
-
-
-def resolve_model_path(model: str | Path) -> str:
-    """A local folder, the embedded default, or a hub id; a missing local path is an error."""
-    if str(model) == DEFAULT_MODEL:
-        from batchgen.models import default_model_path
-
-        return str(default_model_path())
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise BatchgenError(
-                f"model folder '{model}' has no config.json: give a Hugging Face "
-                "model folder (saved with save_pretrained)"
-            )
-        return str(path)
-    text = str(model)
-    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
-        raise BatchgenError(
-            f"model path '{model}' does not exist: give a local model folder, "
-            "a hub id, or 'default' for the embedded model"
-        )
-    return text
 
 
 def adopt_model(model: PreTrainedModel, config: EngineConfig) -> tuple[torch.device, torch.dtype]:

@@ -66,10 +66,17 @@ class EngineServer:
         self._to = self.process.stdin
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.closed = False
+        self.loading: tuple | None = None  # what it was asked to load (load_key's form)
         threading.Thread(
             target=self._read, args=(self.process.stdout,), name="batchgen-engine-answers",
             daemon=True,
         ).start()  # fmt: skip
+
+    def load(self, key: tuple) -> None:
+        """Ask it to load a model now (see load_key): it starts as soon as its own imports
+        are done, while the caller goes on; the answer waits in the pipe for EngineProcess."""
+        self.send(("load", *key))
+        self.loading = key
 
     def send(self, message: tuple) -> None:
         try:
@@ -138,6 +145,30 @@ class EngineServer:
             self.inbox.put(("eof",))
 
 
+def load_key(model: str, config: EngineConfig, quiet: bool, step_hook: str | None) -> tuple:
+    """What a server is asked to load: a resolved model path (resolve_model_path), the
+    engine's config, whether transformers' progress bars stay quiet, the step hook."""
+    return (model, config, quiet, step_hook)
+
+
+def waited_phases(
+    asked: float, ready: float, began: float, phases: dict[str, float]
+) -> dict[str, float]:
+    """The start-up phases a caller waited for, from asking for the engine (`asked`) until it
+    was ready (`ready`; time.monotonic, the same clock in both processes): each of the
+    engine's phases (consecutive from `began`) counts only its part after `asked`, and
+    "engine_process" is the rest of the wait (the server's start and imports, the pipes, the
+    tokenizer's load). A server asked early may have done them all before: then they are 0."""
+    waited: dict[str, float] = {}
+    start = began
+    for name, seconds in phases.items():
+        end = start + seconds
+        waited[name] = round(max(0.0, end - max(start, asked)), 3)
+        start = end
+    rest = (ready - asked) - sum(waited.values())
+    return {"engine_process": round(max(0.0, rest), 3), **waited}
+
+
 class EngineProcess:
     """An Engine served by a process of its own, with the part of Engine's interface a job
     uses: generate, has_unfinished, check_grammar, close, and the facts (tokenizer, config,
@@ -147,9 +178,9 @@ class EngineProcess:
     (else one starts here, on `cpus`), owned by this object from now on. step_hook:
     "module:Class" of a runner step hook the server makes (a benchmark's timeline); its
     report() after each generate call is `step_report` here. Model-loading errors are raised
-    here, in one line. startup_s: the engine's own phases after "engine_process", the time
-    from asking for the model until the engine began loading it (the server's start and
-    imports where not done yet, the pipes).
+    here, in one line. startup_s: the start-up phases this process waited for
+    (waited_phases); engine_startup_s: the server's own, whole ("process": its start and
+    imports until it began loading, then the engine's phases).
     """
 
     def __init__(
@@ -170,13 +201,18 @@ class EngineProcess:
         self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
         self.cache_stats = CacheStats()
         self.step_report: dict | None = None
-        started = time.perf_counter()
+        asked = time.monotonic()
         self.server = server
         try:
             source = resolve_model_path(model)  # a missing folder fails before a process starts
+            key = load_key(source, self.config, quiet, step_hook)
+            if self.server is not None and self.server.loading not in (None, key):
+                self.server.close()  # loading another model or config: not this one's
+                self.server = None
             if self.server is None:
                 self.server = EngineServer(cpus)
-            self.server.send(("load", source, self.config, quiet, step_hook))
+            if self.server.loading is None:
+                self.server.load(key)
             self.tokenizer = load_tokenizer(source)  # while the server loads the model
             facts = self.server.expect("ready")[1]
         except BaseException:
@@ -190,9 +226,9 @@ class EngineProcess:
         self.num_blocks: int = facts["num_blocks"]
         self.config = dataclasses.replace(self.config, block_size=facts["block_size"])
         self.fingerprint = facts["fingerprint"]
-        phases = facts["startup_s"]
-        rest = time.perf_counter() - started - sum(phases.values())
-        self.startup_s = {"engine_process": round(max(0.0, rest), 3), **phases}
+        self.engine_startup_s = {"process": facts["process_s"], **facts["startup_s"]}
+        self.startup_s = waited_phases(asked, time.monotonic(), facts["began_at"],
+                                       facts["startup_s"])  # fmt: skip
 
     def generate(
         self,

@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-CPUS_ENV = "BATCHGEN_ENGINE_CPUS"  # the server's cores, "14,15" (it pins itself at start)
+CPUS_ENV = "BATCHGEN_ENGINE_CPUS"  # the server's cores, "14,15" (pinned once it is loaded)
 MIN_CORES_TO_KEEP = 8  # a job's process with fewer cores keeps none for its engine by default
 KEPT_CORES = 2  # ... else this many: the engine thread and the server's other threads
 
@@ -32,12 +32,22 @@ def kept_cores(setting: int | None, allowed: set[int]) -> frozenset[int]:
 def keep_process_off(cores: frozenset[int]) -> None:
     """Every thread of this process (and every one it starts later) off `cores` (Linux: per
     thread, from /proc/self/task). For a process batchgen owns: the command line's."""
-    if not cores:
-        return
-    allowed = os.sched_getaffinity(0) - cores
+    if cores:
+        _all_threads_on(os.sched_getaffinity(0) - cores)
+
+
+def pin_process(cores: frozenset[int]) -> None:
+    """Every thread of this process (and every one it starts later) on `cores` only. The
+    engine server does this once its engine is loaded: its start-up (imports, the weights'
+    copy on several threads, graph capture) runs on every core it may use."""
+    if cores:
+        _all_threads_on(set(cores))
+
+
+def _all_threads_on(cores: set[int]) -> None:
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), allowed)
+            os.sched_setaffinity(int(task), cores)
 
 
 @contextlib.contextmanager

@@ -22,11 +22,12 @@ import time
 import traceback
 from typing import IO, Any
 
-from batchgen.engine.remote.placement import CPUS_ENV
+from batchgen.engine.remote.placement import CPUS_ENV, pin_process
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
 from batchgen.home import use_bytecode_cache
 from batchgen.skipped_imports import skip_unused_imports
+from batchgen.summary import process_age_s
 
 IDLE_WAIT_S = 0.05  # how long an idle engine waits for the next prompt before asking again
 PR_SET_PDEATHSIG = 1
@@ -136,7 +137,9 @@ class Call:
         self.outbox.append(out)
 
 
-def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+def serve(requests: IO[bytes], answers: IO[bytes], cpus: frozenset[int] = frozenset()) -> None:
+    """Load the engine the first message asks for, then answer until told to close. cpus:
+    the cores this process keeps to once the engine is loaded (empty: all it may use)."""
     try:
         message = receive(requests)
     except EOFError:
@@ -144,16 +147,22 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     if message[0] != "load":
         return  # closed before it was asked for a model (an early server the job did not use)
     _, model, config, quiet, step_hook = message
+    began, process_s = time.monotonic(), process_age_s()
+    feed, control = Feed(), queue.SimpleQueue()
+    threading.Thread(  # from now on: the job's process closing stdin ends this one at once,
+        # mid-load too (a job that stopped before it needed its engine does not wait for it)
+        target=_read,
+        args=(requests, feed, control),
+        name="batchgen-engine-requests",
+        daemon=True,
+    ).start()
     try:
         engine, hook = _load(model, config, quiet, step_hook)
     except BaseException as exc:
         _report(answers, exc)
         return
-    send(answers, ("ready", _facts(engine)))
-    feed, control = Feed(), queue.SimpleQueue()
-    threading.Thread(
-        target=_read, args=(requests, feed, control), name="batchgen-engine-requests", daemon=True
-    ).start()
+    pin_process(cpus)  # start-up ran on every core; the engine thread now has these alone
+    send(answers, ("ready", {**_facts(engine), "began_at": began, "process_s": process_s}))
     while True:
         message = control.get()
         kind = message[0]
@@ -269,9 +278,8 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    cpus = os.environ.get(CPUS_ENV)  # the cores the job keeps for its engine (kept_cores)
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    listed = os.environ.get(CPUS_ENV)  # the cores the job keeps for its engine (kept_cores)
+    cpus = frozenset(int(c) for c in listed.split(",")) if listed else frozenset()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     use_bytecode_cache()  # before torch is imported
@@ -280,7 +288,7 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
-    serve(sys.stdin.buffer, answers)
+    serve(sys.stdin.buffer, answers, cpus)
     sys.stderr.flush()
     os._exit(0)
 
