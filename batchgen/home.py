@@ -23,6 +23,11 @@ BYTECODE_CACHE_ENV = "BATCHGEN_BYTECODE_CACHE"
 PROBE_PACKAGE = "torch"
 
 
+def turned_off(variable: str) -> bool:
+    """Whether an on-by-default switch in the environment is set to 0, false, no or off."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def batchgen_home() -> Path:
     """$BATCHGEN_HOME, or ~/.cache/batchgen when unset or empty."""
     return Path(os.environ.get("BATCHGEN_HOME") or DEFAULT_HOME).expanduser()
@@ -55,7 +60,7 @@ def use_bytecode_cache() -> bool:
     changes where Python already finds or writes bytecode, where the user set a prefix, or with
     BATCHGEN_BYTECODE_CACHE=0. Returns whether the cache is in use.
     """
-    if os.environ.get(BYTECODE_CACHE_ENV, "1").strip() in ("0", "false", "no", "off"):
+    if turned_off(BYTECODE_CACHE_ENV):
         return False
     if sys.pycache_prefix is not None:
         return sys.pycache_prefix == str(bytecode_cache_dir())

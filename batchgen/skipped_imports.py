@@ -14,8 +14,9 @@ it off.
 
 from __future__ import annotations
 
-import os
 import sys
+
+from batchgen.home import turned_off
 
 SKIPPED = ("sklearn",)
 ENV = "BATCHGEN_SKIP_IMPORTS"
@@ -24,7 +25,7 @@ ENV = "BATCHGEN_SKIP_IMPORTS"
 def skip_unused_imports() -> tuple[str, ...]:
     """Mark SKIPPED packages missing in this process (before transformers is imported);
     -> those marked now (none when turned off or already imported)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if turned_off(ENV):
         return ()
     marked = tuple(name for name in SKIPPED if name not in sys.modules)
     for name in marked:
