@@ -236,6 +236,7 @@ def base(model_dir, tmp_path: Path) -> list[str]:
         (["--set", "prompt.truncate=['left']"], "prompt.truncate"),
         (["--set", "runtime.device='tpu'"], "device='tpu' is not allowed"),
         (["--set", "runtime.attention_backend='triton'"], "runs on a CUDA GPU"),
+        (["--set", "runtime.cuda_graph_capture='lazy'"], "use first_use or startup"),
         (["--max-new-tokens", "5", "--set", "sampling.max_new_tokens=6"], "given twice"),
     ],
 )

@@ -156,6 +156,33 @@ def test_bf16_overlap_equals_sync_and_capture_report(model_dir) -> None:
     assert tokens(a, prompts, params) == tokens(b, prompts, params)
 
 
+def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir) -> None:
+    """first_use captures the largest size at start-up and each other size before its first
+    step, between overlapped steps: the tokens and logprobs are those of start-up graphs."""
+    path = model_dir("llama")
+    prompts = random_prompts(40, 2, 100, 1000, seed=11)
+    items = [
+        Prompt(p, sampling={"max_new_tokens": 4 + 3 * i, "temperature": 0.7 * (i % 2), "seed": i,
+                            "logprobs": 1})
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    runs, engines = [], []
+    for capture in ("first_use", "startup"):  # no model check: its steps would capture too
+        engine = cuda_engine(
+            path, dtype="bfloat16", max_num_seqs=32, cuda_graph_capture=capture, check_model=False
+        )
+        engines.append(engine)
+        captured = set(engine.runner.graphs.graphs)
+        assert captured == ({32} if capture == "first_use" else set(engine.runner.graphs.sizes))
+        outs = engine.generate(items, SamplingParams(), decode=False)
+        runs.append({o.request_id: (o.output_token_ids, [lp.top_ids for lp in o.logprobs])
+                     for o in outs})  # fmt: skip
+    differ = sorted(k for k in runs[1] if runs[0].get(k) != runs[1][k])
+    assert not differ and len(runs[0]) == 40, (differ, sorted(engines[0].runner.graphs.graphs))
+    lazy = engines[0].runner.graphs
+    assert len(lazy.graphs) > 4 and not lazy.eager  # the shrinking batch met several sizes
+
+
 def test_kv_cache_is_sized_from_free_memory(model_dir) -> None:
     engine = cuda_engine(model_dir("llama"), kv_cache_memory_fraction=0.05, num_kv_blocks=None)
     assert engine.num_blocks > 1000

@@ -40,6 +40,10 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     )
+    # when decode graphs are captured: "first_use" = the largest size at start-up (its memory
+    # pool serves all sizes), each other size before its first step (a job's first rows come
+    # ~1-2 s sooner; the job's total is the same); "startup" = every size before the first step
+    cuda_graph_capture: str = "first_use"
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
@@ -102,6 +106,12 @@ class EngineConfig:
             "attention_backend",
             self.attention_backend,
             "auto, reference or triton",
+        )
+        check_field(
+            self.cuda_graph_capture in ("first_use", "startup"),
+            "cuda_graph_capture",
+            self.cuda_graph_capture,
+            "first_use or startup",
         )
         check_field(
             all(b >= 1 for b in self.cuda_graph_batch_sizes),

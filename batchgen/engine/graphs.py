@@ -1,14 +1,23 @@
-"""CUDA graphs for decode steps at bucketed batch sizes, captured once at start-up.
+"""CUDA graphs for decode steps at bucketed batch sizes.
 
 A decode-only step (every sequence has one query token and samples) of B sequences is padded
-to the smallest captured size >= B; its fixed metadata is copied into the graph's static input
-buffer and the graph replays the whole forward pass to logits. Sampling stays outside the graph.
+to the smallest size >= B; its fixed metadata is copied into the graph's static input buffer
+and the graph replays the whole forward pass to logits. Sampling stays outside the graph.
+
+The largest size is captured at start-up, and with it the memory pool all sizes share. The
+others are captured at start-up too, or (first_use) just before the first step that needs
+them: a job's start-up then skips most of the capture (1.3-1.9 s on an 8b model), which its
+tail pays later, one size at a time. Each capture waits for the device to be idle, so a step
+in flight is never touched; a capture that fails leaves that size to run eagerly (the same
+inputs, padding rows included), with a warning.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,7 +38,8 @@ class CaptureReport(NamedTuple):
 
 class DecodeGraphs:
     """forward: the runner's forward pass (capturable for decode-only layouts); pad_slot: the
-    relay slot padding rows use; sizes: batch sizes to capture, those above limit dropped."""
+    relay slot padding rows use; sizes: batch sizes to capture, those above limit dropped;
+    first_use: capture all but the largest before their first step, not now."""
 
     def __init__(
         self,
@@ -38,6 +48,7 @@ class DecodeGraphs:
         pad_slot: int,
         sizes: tuple[int, ...],
         limit: int,
+        first_use: bool = False,
     ) -> None:
         self.sizes = sorted({s for s in sizes if s <= limit})
         self.forward, self.device, self.pad_slot = forward, device, pad_slot
@@ -46,7 +57,9 @@ class DecodeGraphs:
             Layout(biggest, biggest, biggest).fixed_size, dtype=torch.int64, device=device
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.report = self._capture_all()
+        self.eager: set[int] = set()  # sizes whose capture failed: their steps run eagerly
+        self.pool = torch.cuda.graph_pool_handle()
+        self.report = self._capture_all(self.sizes[-1:] if first_use else self.sizes)
 
     def close(self) -> None:
         """Release the graphs and their memory pool now (not at the next garbage collection)."""
@@ -65,30 +78,55 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else 0
 
     def replay(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
+        """The step's logits, by its graph (captured now if this is its size's first step)."""
         layout = host.layout
+        if layout.B not in self.graphs and not self._capture_now(layout.B):
+            return self.forward(flat, host)
         graph, logits = self.graphs[layout.B]
         self.static[: layout.fixed_size].copy_(flat[: layout.fixed_size])
         graph.replay()
         return logits
 
     @torch.inference_mode()
-    def _capture_all(self) -> CaptureReport:
+    def _capture_all(self, sizes: list[int]) -> CaptureReport:
         device = self.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-            self.graphs[size] = self._capture(size, pool)
+        for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
+            self.graphs[size] = self._capture(size)
         torch.cuda.synchronize(device)
         return CaptureReport(
-            tuple(self.sizes),
+            tuple(sizes),
             time.perf_counter() - started,
             torch.cuda.memory_allocated(device) - before,
         )
 
-    def _capture(self, size: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture a step of `size` padding rows (valid inputs that touch only scratch)."""
+    def _capture_now(self, size: int) -> bool:
+        """Capture `size` between steps (first_use); False: it failed, and runs eagerly."""
+        if size in self.eager:
+            return False
+        try:
+            with torch.inference_mode():
+                self.graphs[size] = self._capture(size)
+            return True
+        except Exception as exc:  # the device stays usable; this size's steps run eagerly
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)
+            self.eager.add(size)
+            text = str(exc).strip().splitlines()
+            reason = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+            warnings.warn(
+                f"batchgen: the CUDA graph for {size} sequences could not be captured, those "
+                f"decode steps run eagerly ({reason})",
+                stacklevel=3,
+            )
+            return False
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture a step of `size` padding rows (valid inputs that touch only scratch). Only
+        this thread's CUDA calls are checked while it captures: the engine's other threads
+        (a grammar's mask fill waits on a copy event) go on."""
         host, staged = prepare_step(Batch([], 0), size, self.pad_slot)
         self.static[: host.layout.fixed_size].copy_(staged[: host.layout.fixed_size])
         flat = self.static
@@ -102,6 +140,6 @@ class DecodeGraphs:
                 self.forward(flat, host)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.forward(flat, host)
         return graph, logits

@@ -72,7 +72,12 @@ def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
         config = runner.config
         limit = min(config.max_num_seqs, config.max_num_batched_tokens)
         graphs = DecodeGraphs(
-            runner.forward, runner.device, runner.pad_slot, config.cuda_graph_batch_sizes, limit
+            runner.forward,
+            runner.device,
+            runner.pad_slot,
+            config.cuda_graph_batch_sizes,
+            limit,
+            first_use=config.cuda_graph_capture == "first_use",
         )
         return graphs
     except Exception as exc:  # capture failed: leave the device usable and run eagerly
