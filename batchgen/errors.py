@@ -15,3 +15,9 @@ def check_field(ok: bool, name: str, value: object, allowed: str) -> None:
 class JobStopped(BatchgenError):
     """Another rank of a data-parallel job stopped (or was lost), so this one stopped too: the
     message names it; the committed rows are kept and the same command resumes (exit 1)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one short line for a user's message: its type and first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__

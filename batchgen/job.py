@@ -15,22 +15,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 from tqdm import tqdm
 
-from batchgen.engine import NOT_READY, Engine, Prompt
 from batchgen.engine.attention.select import check_backend
-from batchgen.engine.model_loader import (
-    hf_progress_bars,
-    resolve_device,
-    resolve_dtype,
-    resolve_model_path,
-)
+from batchgen.engine.device import resolve_device, resolve_dtype
+from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.client import EngineProcess, EngineServer
 from batchgen.engine.remote.placement import off_cores
+from batchgen.engine.request import NOT_READY, Prompt
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles
@@ -57,6 +53,9 @@ from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
 from batchgen.tokenizer_pool import TokenizerPool, row_hash
+
+if TYPE_CHECKING:  # an engine in this process is imported only when the job makes one
+    from batchgen.engine.engine import Engine
 
 IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs nothing
 
@@ -158,6 +157,9 @@ def load_engine(
         )
     if server is not None:
         server.close()
+    from batchgen.engine.engine import Engine
+    from batchgen.engine.model_loader import hf_progress_bars
+
     with hf_progress_bars(shown=not spec.pipeline.quiet):
         return Engine(spec.model.path, spec.engine)
 
@@ -471,7 +473,7 @@ def _start_profile(
     """A step recorder on the engine for this run (imported only when a job profiles)."""
     from batchgen.profile.recorder import Gauges, StepRecorder
 
-    if not isinstance(engine, Engine):
+    if isinstance(engine, EngineProcess):
         raise BatchgenError(
             "runtime.profile records the engine's steps in the job's process, and this job's "
             "engine runs in a process of its own: give the job an Engine to profile it"

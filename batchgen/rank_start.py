@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from batchgen import distributed
 from batchgen.distributed import Group
 from batchgen.engine import Engine
-from batchgen.engine.model_loader import resolve_model_path
+from batchgen.engine.model_path import resolve_model_path
 from batchgen.errors import BatchgenError
 from batchgen.heartbeat import publish_first_beat
 from batchgen.io import InputSource, OutputLayout

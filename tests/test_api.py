@@ -53,7 +53,7 @@ def test_map_filter_compose_on_one_engine(gen: Generator, expected, monkeypatch)
     def no_new_engine(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a call loaded a second engine")
 
-    monkeypatch.setattr("batchgen.job.Engine", no_new_engine)
+    monkeypatch.setattr("batchgen.engine.engine.Engine", no_new_engine)
     ds = table().filter(lambda r: r["k"] % 2 == 0).map(lambda r: {"q": r["prompt"]})
     first = gen(ds, prompt_column="q", sampling={"max_new_tokens": 6}, progress=False)
     second = gen(ds, template="{q}", sampling={"max_new_tokens": 6}, progress=False)

@@ -200,6 +200,29 @@ def test_a_job_with_its_engine_in_its_own_process(model: Path, tmp_path: Path) -
     assert own.summary.rows_error == thread.summary.rows_error == 1
 
 
+MODEL_CODE_CHECK = """
+import json, sys
+from batchgen.job import run_job
+from batchgen.spec import load_spec
+result = run_job(load_spec(None, values=json.loads(sys.argv[1])))
+heavy = ("transformers.modeling_utils", "batchgen.engine.engine", "batchgen.engine.model_loader")
+print(json.dumps({"complete": result.complete, "loaded": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+def test_a_job_whose_engine_runs_elsewhere_does_not_load_model_code(model: Path, tmp_path):
+    """The job's process reads, tokenizes and writes: transformers' model code (seconds of
+    imports on a slow host) is left to the engine's process."""
+    spec = _job_spec(model, tmp_path, "light", "process")
+    values = {"model.path": str(model), "input.path": str(spec.input.path), "runtime.quiet": True,
+              "output.dir": str(tmp_path / "light"), "runtime.device": "cpu",
+              "runtime.engine_process": "process", "sampling.max_new_tokens": 2}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", MODEL_CODE_CHECK, json.dumps(values)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"complete": True, "loaded": []}
+
+
 @pytest.mark.gpu
 def test_a_gpu_job_runs_its_engine_in_its_own_process(model: Path, tmp_path: Path) -> None:
     """On a GPU the default (auto) is the engine's own process; the rows are the same (one
@@ -407,6 +430,9 @@ def test_the_command_line_loads_the_engine_before_the_job_asks(model: Path, tmp_
     assert {"process", "checks", "engine_process", "load", "first_row"} <= set(waited)
     assert {"process", "load", "kv_cache_and_graphs"} <= set(whole) and whole["load"] > 0
     assert all(waited[k] <= whole[k] + 1e-3 for k in ("load", "shape", "kv_cache_and_graphs"))
+    # the engine process started after this one: the job was ready no sooner than it was
+    ready = sum(v for k, v in waited.items() if k != "first_row")
+    assert ready >= sum(whole.values()) - 0.05, (waited, whole)
 
 
 def test_an_early_load_does_not_come_before_the_jobs_own_errors(model: Path, tmp_path) -> None:

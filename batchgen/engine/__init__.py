@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchgen.engine.config import EngineConfig
-    from batchgen.engine.engine import NOT_READY, Engine
-    from batchgen.engine.request import Prompt, RequestOutput
+    from batchgen.engine.engine import Engine
+    from batchgen.engine.request import NOT_READY, Prompt, RequestOutput
     from batchgen.engine.sampling_params import SamplingParams
 
 _HOMES = {
     "EngineConfig": "batchgen.engine.config",
-    "NOT_READY": "batchgen.engine.engine",
+    "NOT_READY": "batchgen.engine.request",
     "Engine": "batchgen.engine.engine",
     "Prompt": "batchgen.engine.request",
     "RequestOutput": "batchgen.engine.request",

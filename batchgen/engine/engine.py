@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.device import resolve_device, resolve_dtype
 from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
@@ -28,34 +29,27 @@ from batchgen.engine.model_loader import (
     kv_block_size,
     kv_cache_dtype,
     load_model,
-    load_tokenizer,
     model_shape,
-    resolve_device,
-    resolve_dtype,
     set_cpu_threads,
 )
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
+from batchgen.engine.preload import Preload
 from batchgen.engine.probe import check_model
 from batchgen.engine.quant.convert import check_adopted
-from batchgen.engine.request import Prompt, Request, RequestOutput, Status, TokenLogprobs
+from batchgen.engine.request import NOT_READY, Prompt, Request, RequestOutput, Status, TokenLogprobs
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
 from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.stop_strings import StopWatcher
+from batchgen.engine.tokenizer_loader import load_tokenizer
 from batchgen.engine.transfer import StepOutput, wait_tokens
 from batchgen.home import triton_cache_dir
 
 PromptLike = str | list[int] | Prompt
 
 
-class _NotReady:
-    def __repr__(self) -> str:
-        return "NOT_READY"
-
-
-NOT_READY = _NotReady()  # a prompt source's "nothing yet, but not exhausted"
 _END = object()
 VERDICT_WAIT_S = 0.05  # how long an idle engine waits for the stop watcher's next answer
 # a loop iteration takes at most max_num_seqs // PULL_SHARE new prompts from its source: the
@@ -68,7 +62,9 @@ class Engine:
     """A continuous-batching engine over one Hugging Face decoder-only model.
 
     `model` is a local model folder, a hub id, "default" (the embedded tiny model) or a loaded
-    PreTrainedModel (then pass its tokenizer, or token-id prompts only).
+    PreTrainedModel (then pass its tokenizer, or token-id prompts only). `preload`: the
+    folder's weights being read ahead onto the device (preload.py; the engine process starts
+    one while it imports).
     """
 
     def __init__(
@@ -76,6 +72,8 @@ class Engine:
         model: str | Path | PreTrainedModel = "default",
         config: EngineConfig | None = None,
         tokenizer: Any = None,
+        *,
+        preload: Preload | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         clock = _PhaseClock()
@@ -89,7 +87,9 @@ class Engine:
             self.dtype = resolve_dtype(self.config, self.device)
             if self.device.type == "cpu":
                 set_cpu_threads(self.config)
-            self.model = load_model(model, self.device, self.dtype, self.config.quantization)
+            self.model = load_model(
+                model, self.device, self.dtype, self.config.quantization, preload
+            )
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         if self.device.type == "cuda":  # compiled kernels kept with batchgen's other caches

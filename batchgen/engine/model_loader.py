@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,19 +12,23 @@ from typing import Any, NamedTuple
 import torch
 from transformers import (
     AttentionInterface,
+    AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import GENERATION_CONFIG_NAME
 from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_path import resolve_model_path
+from batchgen.engine.preload import Preload
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
 from batchgen.engine.quant.checkpoint import checkpoint_format, load_fp8_checkpoint
 from batchgen.engine.upload import upload_model
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, first_line
 
 
 class ModelShape(NamedTuple):
@@ -35,15 +40,6 @@ class ModelShape(NamedTuple):
     max_position_embeddings: int
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BatchgenError(f"device={config.device!r} but CUDA is not available: use device='cpu'")
-    return device
-
-
 def set_cpu_threads(config: EngineConfig) -> None:
     """torch's intra-op threads for a CPU engine (see EngineConfig.cpu_threads)."""
     threads = config.cpu_threads
@@ -53,12 +49,6 @@ def set_cpu_threads(config: EngineConfig) -> None:
         threads = max(1, len(os.sched_getaffinity(0)) - 1)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
 
 
 def adopt_model(model: PreTrainedModel, config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -111,30 +101,44 @@ def kv_block_size(config: EngineConfig, kv_dtype: torch.dtype, device: torch.dev
 
 
 def load_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    model: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    preload: Preload | None = None,
 ) -> PreTrainedModel:
     """Load a model folder, hub id or "default" with batchgen's attention; quantization
     'fp8' quantizes its Linear layers on the device. A pre-quantized FP8 folder (its
-    config.json says so) is read as FP8 whatever quantization says."""
+    config.json says so) is read as FP8 whatever quantization says. preload: the folder's
+    weights, read ahead onto the device (preload.py), if it has read this folder's."""
     register()
     try:
         source = resolve_model_path(model)
         fmt = checkpoint_format(source)
         if fmt is not None or quantization == "fp8":
             check_fp8_device(device)
+        weights = preload.take(source, device) if preload is not None else None
         try:
             if fmt is not None:
                 loaded = load_fp8_checkpoint(source, fmt, dtype, ATTENTION_NAME)
             else:
-                loaded = AutoModelForCausalLM.from_pretrained(
-                    source, dtype=dtype, attn_implementation=ATTENTION_NAME
-                )
+                loaded, failed = _from_weights(source, weights, dtype, device)
+                if loaded is None:  # the folder is read (again)
+                    loaded = AutoModelForCausalLM.from_pretrained(
+                        source, dtype=dtype, attn_implementation=ATTENTION_NAME
+                    )
+                if failed is not None:  # read ahead for nothing, yet the folder loads
+                    warnings.warn(
+                        f"batchgen: the weights read ahead were not used ({failed}): the model "
+                        "folder was read again",
+                        stacklevel=2,
+                    )
         except (torch.OutOfMemoryError, BatchgenError):
             raise
         except Exception as exc:  # missing files, bad weights (safetensors, pickle), offline hub
             _refuse_unsupported_class(source, exc)
             raise BatchgenError(
-                f"could not load model '{model}' ({_first_line(exc)}): check the model folder "
+                f"could not load model '{model}' ({first_line(exc)}): check the model folder "
                 "or hub id"
             ) from exc
         loaded = upload_model(loaded, device).eval()
@@ -147,6 +151,47 @@ def load_model(
             f"model '{model}' does not fit on {device} in "
             f"{dtype} ({free} free): use a smaller model, another dtype or a larger device"
         ) from exc
+
+
+def _from_weights(
+    source: str, weights: dict[str, torch.Tensor] | None, dtype: torch.dtype, device: torch.device
+) -> tuple[PreTrainedModel | None, str | None]:
+    """-> (the folder's model built by transformers' loading from its weights read ahead
+    onto the device (on a GPU through a device map, which needs accelerate), or None: no
+    weights, a model class that loads files of its own, or a failure, given second as one
+    line). What from_pretrained reads from the folder besides the weights (config,
+    generation config, name) is read here."""
+    if weights is None:
+        return None, None
+    try:
+        config = AutoConfig.from_pretrained(source)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        if getattr(config, "auto_map", None) or getattr(type(config), "extra_files", None):
+            return None, None
+        placed = {} if device.type == "cpu" else {"device_map": {"": device}}
+        loaded = cls.from_pretrained(
+            None,
+            config=config,
+            state_dict=weights,
+            dtype=dtype,
+            attn_implementation=ATTENTION_NAME,
+            **placed,
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # reading the folder itself reports what is wrong, if anything
+        return None, first_line(exc)
+    finally:
+        weights.clear()  # the model holds what it uses; the rest goes now
+    loaded.config.name_or_path = loaded.name_or_path = source  # as from_pretrained sets them
+    if loaded.can_generate():  # as from_pretrained does (adjust_generation_fn)
+        if (Path(source) / GENERATION_CONFIG_NAME).is_file():
+            loaded.generation_config = GenerationConfig.from_pretrained(source)
+        else:
+            loaded.generation_config = GenerationConfig.from_pretrained(
+                source, config_file_name="config.json", _from_model_config=True
+            )
+    return loaded, None
 
 
 @contextmanager
@@ -167,9 +212,6 @@ def _refuse_unsupported_class(source: str, exc: BaseException) -> None:
     """A model class that cannot take batchgen's attention at all (its attention classes are
     chosen from a per-model table): refuse it by name of its family."""
     try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
         config = AutoConfig.from_pretrained(source)
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:
@@ -181,33 +223,11 @@ def _refuse_unsupported_class(source: str, exc: BaseException) -> None:
         ) from exc
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
-
-
 def _free_gib(device: torch.device) -> str:
     if device.type != "cuda":
         return "not enough memory"
     free, _ = torch.cuda.mem_get_info(device)
     return f"{free / 2**30:.1f} GiB"
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(model: str | Path | PreTrainedModel) -> Any:
-    """The model's tokenizer; None for a local folder that has none (token-id prompts only)."""
-    source = model.name_or_path if isinstance(model, PreTrainedModel) else resolve_model_path(model)
-    folder = Path(source)
-    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except Exception as exc:  # missing or damaged tokenizer files
-        raise BatchgenError(
-            f"could not load a tokenizer for '{source}' ({_first_line(exc)}): check its files"
-        ) from exc
 
 
 SHAPE_PROBE = "batchgen-shape-probe"

@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from batchgen.engine.grammar import GrammarSpec
 
 
+class _NotReady:
+    def __repr__(self) -> str:
+        return "NOT_READY"
+
+
+NOT_READY = _NotReady()  # a prompt source's "nothing yet, but not exhausted"
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"

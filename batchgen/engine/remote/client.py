@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.placement import CPUS_ENV
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
@@ -193,7 +194,8 @@ class EngineProcess:
         server: EngineServer | None = None,
         cpus: frozenset[int] = frozenset(),
     ) -> None:
-        from batchgen.engine.model_loader import load_tokenizer, resolve_model_path
+        asked = time.monotonic()  # what follows is waited for, the tokenizer's imports too
+        from batchgen.engine.tokenizer_loader import load_tokenizer
 
         self.config = config or EngineConfig()
         self._calls = 0
@@ -201,7 +203,6 @@ class EngineProcess:
         self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
         self.cache_stats = CacheStats()
         self.step_report: dict | None = None
-        asked = time.monotonic()
         self.server = server
         try:
             source = resolve_model_path(model)  # a missing folder fails before a process starts
@@ -242,7 +243,7 @@ class EngineProcess:
         """Engine.generate, served: prompts are pulled while the server's window has room (a
         source may yield NOT_READY), results yielded as they come back. Once `stop` is set,
         the server finishes the step in flight and drops what still runs."""
-        from batchgen.engine.engine import NOT_READY
+        from batchgen.engine.request import NOT_READY
 
         self._check_open()
         self._calls += 1

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import ctypes
 import importlib
+import importlib.util
 import os
 import queue
 import signal
@@ -31,6 +32,13 @@ from batchgen.summary import process_age_s
 
 IDLE_WAIT_S = 0.05  # how long an idle engine waits for the next prompt before asking again
 PR_SET_PDEATHSIG = 1
+_FIRST_MODULES = (
+    "torch",
+    "batchgen.engine.config",
+    "batchgen.engine.device",
+    "batchgen.engine.model_path",
+    "batchgen.engine.preload",
+)
 _END = object()
 
 
@@ -111,7 +119,7 @@ class Call:
             self.outbox, self._sent_taken = [], self.taken
 
     def prompts(self) -> Any:
-        from batchgen.engine.engine import NOT_READY
+        from batchgen.engine.request import NOT_READY
 
         while True:
             row = self.feed.take(0.0)
@@ -137,11 +145,62 @@ class Call:
         self.outbox.append(out)
 
 
-def serve(requests: IO[bytes], answers: IO[bytes], cpus: frozenset[int] = frozenset()) -> None:
-    """Load the engine the first message asks for, then answer until told to close. cpus:
-    the cores this process keeps to once the engine is loaded (empty: all it may use)."""
+class FirstMessage:
+    """The first message on stdin, read on a thread while this process imports the engine's
+    modules. A load onto a GPU of a local folder starts reading its weights there and then
+    (preload.py): the seconds of transformers' imports are spent copying them meanwhile."""
+
+    def __init__(self, requests: IO[bytes]) -> None:
+        self.message: tuple | None = None
+        self.error: BaseException | None = None
+        self.preload: Any = None
+        self._thread = threading.Thread(
+            target=self._read, args=(requests,), name="batchgen-engine-first", daemon=True
+        )
+        self._thread.start()
+
+    def get(self) -> tuple:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.message
+
+    def _read(self, requests: IO[bytes]) -> None:
+        try:
+            self.message = receive(requests)
+        except BaseException as exc:  # raised again by get()
+            self.error = exc
+            return
+        if self.message[0] == "load":
+            self.preload = _preload(*self.message[1:3])
+
+
+def _preload(model: str, config: Any) -> Any:
+    """A Preload of the model's weights when it is a local folder loaded onto a GPU, else
+    None. Uses only modules main() imported before this thread started (no import races)."""
+    from batchgen.engine.device import resolve_device
+    from batchgen.engine.model_path import DEFAULT_MODEL, resolve_model_path
+    from batchgen.engine.preload import Preload
+
+    if model == DEFAULT_MODEL or importlib.util.find_spec("accelerate") is None:
+        return None  # (transformers loads onto a GPU through a device map: accelerate's)
     try:
-        message = receive(requests)
+        device = resolve_device(config)
+        source = resolve_model_path(model)
+    except Exception:  # the engine's own load reports it
+        return None
+    return Preload(source, device) if device.type == "cuda" else None
+
+
+def serve(
+    requests: IO[bytes], answers: IO[bytes], cpus: frozenset[int] = frozenset(),
+    first: FirstMessage | None = None,
+) -> None:  # fmt: skip
+    """Load the engine the first message asks for, then answer until told to close. cpus:
+    the cores this process keeps to once the engine is loaded (empty: all it may use);
+    first: that message, read by a FirstMessage (else read here)."""
+    try:
+        message = first.get() if first is not None else receive(requests)
     except EOFError:
         return  # the job's process ended first
     if message[0] != "load":
@@ -157,7 +216,7 @@ def serve(requests: IO[bytes], answers: IO[bytes], cpus: frozenset[int] = frozen
         daemon=True,
     ).start()
     try:
-        engine, hook = _load(model, config, quiet, step_hook)
+        engine, hook = _load(model, config, quiet, step_hook, first and first.preload)
     except BaseException as exc:
         _report(answers, exc)
         return
@@ -220,13 +279,15 @@ def _report(answers: IO[bytes], exc: BaseException) -> None:
     os._exit(1)
 
 
-def _load(model: str, config: Any, quiet: bool, step_hook: str | None) -> tuple[Any, Any, float]:
+def _load(
+    model: str, config: Any, quiet: bool, step_hook: str | None, preload: Any = None
+) -> tuple[Any, Any]:
     """-> (the engine, its step hook or None)."""
     from batchgen.engine.engine import Engine
     from batchgen.engine.model_loader import hf_progress_bars
 
     with hf_progress_bars(shown=not quiet):
-        engine = Engine(model, config)
+        engine = Engine(model, config, preload=preload)
     hook = None
     if step_hook is not None:
         module, name = step_hook.split(":")
@@ -287,8 +348,11 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    for module in _FIRST_MODULES:  # what FirstMessage's thread uses, imported before it runs
+        importlib.import_module(module)
+    first = FirstMessage(sys.stdin.buffer)
     importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
-    serve(sys.stdin.buffer, answers, cpus)
+    serve(sys.stdin.buffer, answers, cpus, first)
     sys.stderr.flush()
     os._exit(0)
 
