@@ -24,7 +24,6 @@ from batchgen.skipped_imports import skip_unused_imports
 EXIT_INCOMPLETE = 1  # the job ended with rows not committed
 EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
 EXIT_INTERNAL_ERROR = 70  # a bug: one line and the path of a log file with the traceback
-BENCH_GRAPHS = "runtime.cuda_graph_capture='startup'"  # bench: every graph before timing
 # Shortcut options -> spec keys (a shortcut is the same as --set key=value).
 SHORTCUTS = {
     "model": "model.path",
@@ -431,6 +430,7 @@ def bench(
     from pathlib import Path
 
     from batchgen.bench.run import (
+        BENCH_SETTINGS,
         PRECISIONS,
         SYSTEMS,
         record,
@@ -441,9 +441,7 @@ def bench(
     from batchgen.spec import engine_config
 
     command = "batchgen bench " + " ".join(sys.argv[2:])
-    # the bench times steady generation: every decode graph is captured before its clock
-    # starts (benchmarks/startup.sh times a job's start-up); a --set may say otherwise
-    sets = (BENCH_GRAPHS, *sets)
+    sets = (*BENCH_SETTINGS, *sets)  # a --set may say otherwise
     if job_rows is not None:
         try:
             text = run_job_bench(shape, workload, job_rows, new_tokens, engine_config(list(sets)))
