@@ -182,10 +182,10 @@ def run(
     flags = (("runtime.quiet=true",) if quiet else ()) + (
         ("runtime.profile=true",) if profile else ()
     )
-    server = None
+    server = _start_engine_server(place)  # before the spec: its imports start at once
     try:
         spec = _load(job, sets + flags, shortcuts)
-        server = _early_engine_server(spec, place)
+        server = _early_engine_server(spec, place, server)
         stop = threading.Event()
         received: list[int] = []
         with _stop_on_signals(stop, received, echo=lead):
@@ -228,30 +228,45 @@ def run(
         sys.exit(128 + (received[0] if received else signal.SIGINT))
 
 
-def _early_engine_server(spec: Any, place: Any) -> Any:
-    """A job whose engine will likely get a process of its own (a GPU is visible) starts that
-    process now, and asks it for the job's model: it imports torch and the engine and loads
-    the model while this one imports the job's modules and checks the job. The job takes
-    the loaded engine if it asks for the same (EngineProcess); a job that stops first (a bad
-    input, an output from another job) closes it unused, before any output is written."""
+def _start_engine_server(place: Any) -> Any:
+    """Before the job's spec is read: the process a job's engine gets where one is likely
+    (a GPU is visible, one process runs the job). It starts importing torch and the engine at
+    once (its imports are the longest part of a job's start-up); _early_engine_server asks it
+    for the model, or closes it where the spec keeps the engine here."""
+    from batchgen.engine.remote.client import EngineServer
+    from batchgen.engine.remote.placement import gpu_visible
+
+    if (place is not None and place.world_size > 1) or not gpu_visible():
+        return None
+    return EngineServer()
+
+
+def _early_engine_server(spec: Any, place: Any, started: Any) -> Any:
+    """A job whose engine gets a process of its own takes the one started before its spec
+    (else starts it now) and asks it for the job's model: it imports torch and the engine and
+    loads the model while this one imports the job's modules and checks the job. The job
+    takes the loaded engine if it asks for the same (EngineProcess); a job that stops first
+    (a bad input, an output from another job) closes it unused, before any output is
+    written. Any other job closes `started`."""
     from batchgen.engine.model_path import DEFAULT_MODEL, resolve_model_path
     from batchgen.engine.remote.client import EngineServer, load_key
     from batchgen.engine.remote.placement import gpu_visible, keep_process_off
 
-    if place is not None and place.world_size > 1:
-        return None
     cuda = spec.engine.device != "cpu" and gpu_visible()
-    if not spec.pipeline.own_engine_process(cuda):
+    one = place is None or place.world_size == 1
+    if not one or not spec.pipeline.own_engine_process(cuda):
+        if started is not None:
+            started.close()
         return None
     cpus = spec.engine_cores(os.sched_getaffinity(0))
-    server = EngineServer(cpus)
+    server = started or EngineServer()
     keep_process_off(cpus)  # this process's threads, and those it starts, leave it its cores
     if spec.model.path != DEFAULT_MODEL:  # the default is built (once) by the job's process
         try:
             source = resolve_model_path(spec.model.path)
         except BatchgenError:
             return server  # the job says what is wrong with it, in its own order
-        server.load(load_key(source, spec.engine, spec.pipeline.quiet, None))
+        server.load(load_key(source, spec.engine, spec.pipeline.quiet, None), cpus)
     return server
 
 

@@ -460,3 +460,58 @@ def test_a_server_closed_while_it_loads_ends_without_finishing(model: Path) -> N
     while messages[-1] != "eof":
         messages.append(server.inbox.get()[0])
     assert messages == ["eof"]  # no "ready": it did not finish loading
+
+
+@pytest.fixture
+def started_servers(monkeypatch) -> list[EngineServer]:
+    """A GPU "visible" to the command line, and every EngineServer it starts."""
+    from batchgen.engine.remote import client, placement
+
+    made: list[EngineServer] = []
+    real = client.EngineServer.__init__
+
+    def init(self) -> None:
+        real(self)
+        made.append(self)
+
+    monkeypatch.setattr(placement, "gpu_visible", lambda: True)
+    monkeypatch.setattr(client.EngineServer, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("place", ["process", "thread"])
+def test_the_command_line_starts_the_engine_process_before_reading_the_spec(
+    model: Path, tmp_path: Path, started_servers: list, place: str
+) -> None:
+    """Where a GPU is visible the server starts before the spec is read; a job whose engine
+    gets a process takes that one, any other closes it."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    spec = _job_spec(model, tmp_path, "cli", place)
+    args = ["run", "--model", str(model), "--input", str(spec.input.path), "--output",
+            str(tmp_path / place), "--quiet", "--set", "runtime.device='cpu'", "--set",
+            f"runtime.engine_process='{place}'", "--max-new-tokens", "2"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert len(started_servers) == 1  # the one started first, taken or closed
+    assert started_servers[0].closed and started_servers[0].process.wait(timeout=60) is not None
+    summary = json.loads((tmp_path / place / "summary.json").read_text())
+    assert summary["rows_ok"] == 30 and bool(summary["engine_startup_s"]) == (place == "process")
+
+
+def test_a_bad_spec_closes_the_engine_process_started_before_it(
+    tmp_path: Path, started_servers: list
+) -> None:
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    args = ["run", "--model", "default", "--input", str(tmp_path / "missing.jsonl"),
+            "--output", str(tmp_path / "out"), "--set", "runtime.bogus=1"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "bogus" in lines[0], lines
+    assert len(started_servers) == 1 and started_servers[0].closed
+    assert started_servers[0].process.wait(timeout=60) is not None

@@ -30,7 +30,6 @@ from typing import IO, TYPE_CHECKING, Any
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
-from batchgen.engine.remote.placement import CPUS_ENV
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
@@ -50,13 +49,9 @@ class EngineServer:
     starts, so a caller that starts it early (the command line, before its own imports) finds
     them imported when it asks for a model."""
 
-    def __init__(self, cpus: frozenset[int] = frozenset()) -> None:
-        """cpus: the cores it runs on (kept_cores; empty: any)."""
-        self.cpus = frozenset(cpus)
+    def __init__(self) -> None:
+        self.cpus: frozenset[int] = frozenset()  # the cores it keeps to once loaded (load)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        env.pop(CPUS_ENV, None)
-        if self.cpus:
-            env[CPUS_ENV] = ",".join(map(str, sorted(self.cpus)))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "batchgen.engine.remote.server"],
             stdin=subprocess.PIPE,
@@ -73,10 +68,12 @@ class EngineServer:
             daemon=True,
         ).start()  # fmt: skip
 
-    def load(self, key: tuple) -> None:
+    def load(self, key: tuple, cpus: frozenset[int] = frozenset()) -> None:
         """Ask it to load a model now (see load_key): it starts as soon as its own imports
-        are done, while the caller goes on; the answer waits in the pipe for EngineProcess."""
-        self.send(("load", *key))
+        are done, while the caller goes on; the answer waits in the pipe for EngineProcess.
+        cpus: the cores it keeps to once loaded (kept_cores; empty: all it may use)."""
+        self.cpus = frozenset(cpus)
+        self.send(("load", *key, tuple(sorted(self.cpus))))
         self.loading = key
 
     def send(self, message: tuple) -> None:
@@ -207,13 +204,16 @@ class EngineProcess:
         try:
             source = resolve_model_path(model)  # a missing folder fails before a process starts
             key = load_key(source, self.config, quiet, step_hook)
-            if self.server is not None and self.server.loading not in (None, key):
-                self.server.close()  # loading another model or config: not this one's
+            early = self.server
+            if (early is not None and early.loading not in (None, key)) or (
+                early is not None and early.loading == key and early.cpus != frozenset(cpus)
+            ):
+                early.close()  # loading another model, config or placement: not this one's
                 self.server = None
             if self.server is None:
-                self.server = EngineServer(cpus)
+                self.server = EngineServer()
             if self.server.loading is None:
-                self.server.load(key)
+                self.server.load(key, cpus)
             self.tokenizer = load_tokenizer(source)  # while the server loads the model
             facts = self.server.expect("ready")[1]
         except BaseException:

@@ -7,7 +7,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-CPUS_ENV = "BATCHGEN_ENGINE_CPUS"  # the server's cores, "14,15" (pinned once it is loaded)
 MIN_CORES_TO_KEEP = 8  # a job's process with fewer cores keeps none for its engine by default
 KEPT_CORES = 2  # ... else this many: the engine thread and the server's other threads
 

@@ -1,7 +1,8 @@
 """What crosses the pipes between a job's process and its engine's, as length-prefixed pickles.
 
 To the engine (the server's stdin):
-- ("load", model, config, quiet, step_hook) once; answered ("ready", facts) or an error.
+- ("load", model, config, quiet, step_hook, cpus) once (cpus: the cores to keep to once
+  loaded, empty for all); answered ("ready", facts) or an error.
 - per generate call, numbered n from 1: ("generate", n, params, decode, check_outputs), then
   ("prompts", n, rows) as prompts become ready, and ("end", n) once there are no more or
   ("stop", n) to stop after the step in flight. A row is (request id, the prompt

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import IO, Any
 
-from batchgen.engine.remote.placement import CPUS_ENV, pin_process
+from batchgen.engine.remote.placement import pin_process
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
 from batchgen.home import use_bytecode_cache
@@ -192,20 +192,18 @@ def _preload(model: str, config: Any) -> Any:
     return Preload(source, device) if device.type == "cuda" else None
 
 
-def serve(
-    requests: IO[bytes], answers: IO[bytes], cpus: frozenset[int] = frozenset(),
-    first: FirstMessage | None = None,
-) -> None:  # fmt: skip
-    """Load the engine the first message asks for, then answer until told to close. cpus:
-    the cores this process keeps to once the engine is loaded (empty: all it may use);
-    first: that message, read by a FirstMessage (else read here)."""
+def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = None) -> None:
+    """Load the engine the first message asks for (keeping to the cores it names once
+    loaded), then answer until told to close. first: that message, read by a FirstMessage
+    (else read here)."""
     try:
         message = first.get() if first is not None else receive(requests)
     except EOFError:
         return  # the job's process ended first
     if message[0] != "load":
         return  # closed before it was asked for a model (an early server the job did not use)
-    _, model, config, quiet, step_hook = message
+    _, model, config, quiet, step_hook, cores = message
+    cpus = frozenset(cores)
     began, process_s = time.monotonic(), process_age_s()
     feed, control = Feed(), queue.SimpleQueue()
     threading.Thread(  # from now on: the job's process closing stdin ends this one at once,
@@ -339,8 +337,6 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    listed = os.environ.get(CPUS_ENV)  # the cores the job keeps for its engine (kept_cores)
-    cpus = frozenset(int(c) for c in listed.split(",")) if listed else frozenset()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     use_bytecode_cache()  # before torch is imported
@@ -352,7 +348,7 @@ def main() -> None:
         importlib.import_module(module)
     first = FirstMessage(sys.stdin.buffer)
     importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
-    serve(sys.stdin.buffer, answers, cpus, first)
+    serve(sys.stdin.buffer, answers, first)
     sys.stderr.flush()
     os._exit(0)
 
