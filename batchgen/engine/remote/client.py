@@ -205,8 +205,10 @@ class EngineProcess:
             source = resolve_model_path(model)  # a missing folder fails before a process starts
             key = load_key(source, self.config, quiet, step_hook)
             early = self.server
-            if (early is not None and early.loading not in (None, key)) or (
-                early is not None and early.loading == key and early.cpus != frozenset(cpus)
+            if (
+                early is not None
+                and early.loading is not None
+                and (early.loading != key or early.cpus != frozenset(cpus))
             ):
                 early.close()  # loading another model, config or placement: not this one's
                 self.server = None
