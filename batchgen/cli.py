@@ -258,15 +258,17 @@ def _early_engine_server(spec: Any, place: Any, started: Any) -> Any:
         if started is not None:
             started.close()
         return None
-    cpus = spec.engine_cores(os.sched_getaffinity(0))
     server = started or EngineServer()
-    keep_process_off(cpus)  # this process's threads, and those it starts, leave it its cores
+    # the job's engine_cores decision, made once: after the next line this process's own
+    # affinity no longer holds the cores kept for the engine (the job takes server.cpus)
+    server.cpus = spec.engine_cores(os.sched_getaffinity(0))
+    keep_process_off(server.cpus)  # this process's threads, and those it starts, leave them
     if spec.model.path != DEFAULT_MODEL:  # the default is built (once) by the job's process
         try:
             source = resolve_model_path(spec.model.path)
         except BatchgenError:
             return server  # the job says what is wrong with it, in its own order
-        server.load(load_key(source, spec.engine, spec.pipeline.quiet, None), cpus)
+        server.load(load_key(source, spec.engine, spec.pipeline.quiet, None), server.cpus)
     return server
 
 

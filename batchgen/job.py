@@ -148,10 +148,14 @@ def load_engine(
 ) -> Engine | EngineProcess:
     """The job's engine, in a process of its own (started here, or the early `server`) or in
     this one (PipelineConfig.own_engine_process); transformers' progress bars follow
-    runtime.quiet while it loads. A server the engine does not use is closed."""
+    runtime.quiet while it loads. A server the engine does not use is closed; one placed by
+    its starter (the command line, which keeps this process off its cores) keeps its cores."""
     cuda = resolve_device(spec.engine).type == "cuda"
     if spec.pipeline.own_engine_process(cuda, data_parallel):
-        cpus = spec.engine_cores(os.sched_getaffinity(0))
+        if server is not None and server.cpus:
+            cpus = server.cpus
+        else:
+            cpus = spec.engine_cores(os.sched_getaffinity(0))
         return EngineProcess(
             spec.model.path, spec.engine, quiet=spec.pipeline.quiet, server=server, cpus=cpus
         )

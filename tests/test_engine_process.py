@@ -479,12 +479,25 @@ def started_servers(monkeypatch) -> list[EngineServer]:
     return made
 
 
+@pytest.fixture
+def sixteen_cores(monkeypatch) -> list[set[int]]:
+    """This process "may use" 16 cores, and keeping it off some (keep_process_off) takes them
+    from what os.sched_getaffinity answers, as on a 16-core host: the affinities it was given."""
+    from batchgen.engine.remote import placement
+
+    given = [set(range(16))]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(given[-1]))
+    monkeypatch.setattr(placement, "_all_threads_on", lambda cores: given.append(set(cores)))
+    return given
+
+
 @pytest.mark.parametrize("place", ["process", "thread"])
 def test_the_command_line_starts_the_engine_process_before_reading_the_spec(
-    model: Path, tmp_path: Path, started_servers: list, place: str
+    model: Path, tmp_path: Path, started_servers: list, sixteen_cores: list, place: str
 ) -> None:
     """Where a GPU is visible the server starts before the spec is read; a job whose engine
-    gets a process takes that one, any other closes it."""
+    gets a process takes that one, any other closes it. Where it is taken, the cores kept for
+    it are decided once: the job's process, already kept off them, does not ask again."""
     from click.testing import CliRunner
 
     from batchgen.cli import main
@@ -499,6 +512,8 @@ def test_the_command_line_starts_the_engine_process_before_reading_the_spec(
     assert started_servers[0].closed and started_servers[0].process.wait(timeout=60) is not None
     summary = json.loads((tmp_path / place / "summary.json").read_text())
     assert summary["rows_ok"] == 30 and bool(summary["engine_startup_s"]) == (place == "process")
+    if place == "process":
+        assert started_servers[0].cpus == {14, 15} and sixteen_cores[-1] == set(range(14))
 
 
 def test_a_bad_spec_closes_the_engine_process_started_before_it(

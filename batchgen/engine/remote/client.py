@@ -50,7 +50,8 @@ class EngineServer:
     them imported when it asks for a model."""
 
     def __init__(self) -> None:
-        self.cpus: frozenset[int] = frozenset()  # the cores it keeps to once loaded (load)
+        self.cpus: frozenset[int] = frozenset()  # the cores it keeps to once loaded (its
+        # starter's decision: set before load, which sends them)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "batchgen.engine.remote.server"],
