@@ -18,8 +18,8 @@ from typing import Any
 import click
 
 from batchgen.errors import BatchgenError, JobStopped
-from batchgen.home import logs_dir, use_bytecode_cache
-from batchgen.skipped_imports import skip_unused_imports
+from batchgen.home import logs_dir
+from batchgen.process_start import heavy_imports, prepare_imports
 
 EXIT_INCOMPLETE = 1  # the job ended with rows not committed
 EXIT_USER_ERROR = 2  # a bad spec, input, path or environment: one line says what to do
@@ -133,8 +133,7 @@ def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> 
 @click.group()
 def main() -> None:
     """Offline batch generation with a continuous-batching engine."""
-    use_bytecode_cache()  # before any command imports torch
-    skip_unused_imports()
+    prepare_imports()  # before any command imports torch
 
 
 @main.command()
@@ -275,7 +274,8 @@ def _early_engine_server(spec: Any, place: Any, started: Any) -> Any:
 def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event, server: Any) -> Any:
     """The job alone, or this process's rank of it (a place in a world of several)."""
     if place is None or place.world_size == 1:
-        from batchgen.job import run_job
+        with heavy_imports():
+            from batchgen.job import run_job
         from batchgen.summary import process_age_s
 
         return run_job(

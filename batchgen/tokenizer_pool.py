@@ -36,9 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
-from batchgen.home import use_bytecode_cache
+from batchgen.process_start import heavy_imports, prepare_imports
 from batchgen.prompts import RowPrompt
-from batchgen.skipped_imports import skip_unused_imports
 
 if TYPE_CHECKING:  # a worker does not import pyarrow for a type
     from batchgen.io import RawRow
@@ -251,7 +250,8 @@ class _Worker:
 
 def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """A worker: the (builder, tokenizer), then one answer per task until stdin ends."""
-    builder, tokenizer = pickle.load(requests)
+    with heavy_imports():  # unpickling the tokenizer imports transformers
+        builder, tokenizer = pickle.load(requests)
     tasks: dict[str, Callable[..., Any]] = {
         "ping": lambda: True,
         "prepare": lambda rows, id_column, hash_rows: prepare_rows(
@@ -274,8 +274,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
-    use_bytecode_cache()  # before the tokenizer's modules are imported
-    skip_unused_imports()
+    prepare_imports()  # before the tokenizer's modules are imported
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -26,8 +26,7 @@ from typing import IO, Any
 from batchgen.engine.remote.placement import pin_process
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
 from batchgen.errors import BatchgenError
-from batchgen.home import use_bytecode_cache
-from batchgen.skipped_imports import skip_unused_imports
+from batchgen.process_start import heavy_imports, prepare_imports
 from batchgen.summary import process_age_s
 
 IDLE_WAIT_S = 0.05  # how long an idle engine waits for the next prompt before asking again
@@ -339,15 +338,15 @@ def main() -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the job's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    use_bytecode_cache()  # before torch is imported
-    skip_unused_imports()
+    prepare_imports()  # before torch is imported
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    for module in _FIRST_MODULES:  # what FirstMessage's thread uses, imported before it runs
-        importlib.import_module(module)
-    first = FirstMessage(sys.stdin.buffer)
-    importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
+    with heavy_imports():
+        for module in _FIRST_MODULES:  # what FirstMessage's thread uses, imported before it runs
+            importlib.import_module(module)
+        first = FirstMessage(sys.stdin.buffer)
+        importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
     serve(sys.stdin.buffer, answers, first)
     sys.stderr.flush()
     os._exit(0)
