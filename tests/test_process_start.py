@@ -84,3 +84,16 @@ def test_the_engine_server_and_the_tokenizer_workers_import_so() -> None:
     assert "serving True True" in _run(SERVER)  # its engine's modules in, frozen
     lines = _run(WORKER)
     assert "serving True" in lines and "served True True" in lines
+
+
+def test_tritons_own_key_is_computed_ahead_for_its_first_launch() -> None:
+    """The key warm_triton computes (on a thread, while the model loads) is the one Triton's
+    compiles and cache lookups take, kept for the process."""
+    code = """
+from batchgen.engine.kernels.launch import warm_triton
+from triton.runtime import cache
+warm_triton()
+info = cache.triton_key.cache_info()
+print(info.currsize, cache.triton_key() == cache.triton_key.__wrapped__())
+"""
+    assert _run(code)[0] == "1 True"

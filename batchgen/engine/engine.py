@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
-from threading import Event
+from threading import Event, Thread
 from typing import Any
 
 import torch
@@ -80,11 +80,15 @@ class Engine:
         adopted = isinstance(model, PreTrainedModel)
         if adopted:  # the caller's model: used as it is, given back unchanged by close()
             self.device, self.dtype = adopt_model(model, self.config)
-            check_adopted(model, self.config.quantization, self.device)
-            self.model = model
         else:
             self.device = resolve_device(self.config)
             self.dtype = resolve_dtype(self.config, self.device)
+        if self.device.type == "cuda":
+            _warm_triton_meanwhile()
+        if adopted:
+            check_adopted(model, self.config.quantization, self.device)
+            self.model = model
+        else:
             if self.device.type == "cpu":
                 set_cpu_threads(self.config)
             self.model = load_model(
@@ -613,6 +617,14 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[phase] = round(now - self._last, 3)
         self._last = now
+
+
+def _warm_triton_meanwhile() -> None:
+    """Triton's per-process key, computed on a thread while the model loads (the first
+    kernel launch comes after the load and the shape probe)."""
+    from batchgen.engine.kernels.launch import warm_triton
+
+    Thread(target=warm_triton, name="batchgen-triton-key", daemon=True).start()
 
 
 def _mix(seed: int, sample_index: int) -> int:
