@@ -10,13 +10,15 @@ CHECK = """
 import importlib.util, sys
 from batchgen.skipped_imports import SKIPPED, skip_unused_imports
 marked = skip_unused_imports()
-from transformers.utils import is_sklearn_available
-print(marked, [importlib.util.find_spec(n) is None for n in SKIPPED], is_sklearn_available())
-try:
-    import sklearn
-    print("imported")
-except ImportError:
-    print("refused")
+from transformers.utils import is_scipy_available, is_sklearn_available
+print(marked, [importlib.util.find_spec(n) is None for n in SKIPPED], is_sklearn_available(),
+      is_scipy_available())
+for name in SKIPPED:
+    try:
+        __import__(name)
+        print("imported")
+    except ImportError:
+        print("refused")
 """
 
 
@@ -30,8 +32,8 @@ def _run(**env: str) -> list[str]:
 
 def test_skipped_packages_look_missing_to_transformers_and_imports() -> None:
     lines = _run()
-    assert lines[0] == "('sklearn',) [True] False"
-    assert lines[1] == "refused"  # an import of it fails loudly, it is never replaced
+    assert lines[0] == "('sklearn', 'scipy') [True, True] False False"
+    assert lines[1:3] == ["refused", "refused"]  # an import fails loudly, never a substitute
 
 
 def test_skipping_can_be_turned_off() -> None:
@@ -44,13 +46,15 @@ import sys
 from click.testing import CliRunner
 from batchgen.cli import main
 CliRunner().invoke(main, ["report", "/nonexistent-output"])
-print(sys.modules.get("sklearn", "absent"))
+from batchgen.skipped_imports import SKIPPED
+print([sys.modules.get(name, "absent") for name in SKIPPED])
 """
 
 SERVER = """
 import sys
 from batchgen.engine.remote import server
-server.serve = lambda *pipes: print(sys.modules.get("sklearn", "absent"))
+from batchgen.skipped_imports import SKIPPED
+server.serve = lambda *pipes: print([sys.modules.get(name, "absent") for name in SKIPPED])
 server.main()
 """
 
@@ -61,4 +65,5 @@ def test_the_command_line_and_the_engine_server_skip_them() -> None:
             [sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True,
             text=True, check=True,
         )  # fmt: skip
-        assert "None" in (out.stdout + out.stderr).split("\n"), out  # the server prints to stderr
+        lines = (out.stdout + out.stderr).split("\n")  # the server prints to stderr
+        assert "[None, None]" in lines, out
