@@ -5,6 +5,7 @@
 - `pycache/`: Python bytecode of the job's imports, only where the environment keeps none
   (see `use_bytecode_cache`).
 - `logs/`: crash logs with the traceback of an internal error.
+- `package_map.json`: the installed packages' import names -> distributions (package_map.py).
 
 This module imports nothing heavy: the command line calls it before torch is imported.
 """
@@ -47,6 +48,10 @@ def bytecode_cache_dir() -> Path:
 
 def logs_dir() -> Path:
     return batchgen_home() / "logs"
+
+
+def package_map_file() -> Path:
+    return batchgen_home() / "package_map.json"
 
 
 def use_bytecode_cache() -> bool:
