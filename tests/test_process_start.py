@@ -90,7 +90,7 @@ def test_tritons_own_key_is_computed_ahead_for_its_first_launch() -> None:
     """The key warm_triton computes (on a thread, while the model loads) is the one Triton's
     compiles and cache lookups take, kept for the process."""
     code = """
-from batchgen.engine.kernels.launch import warm_triton
+from batchgen.engine.first_use import warm_triton
 from triton.runtime import cache
 warm_triton()
 info = cache.triton_key.cache_info()

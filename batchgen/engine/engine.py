@@ -621,8 +621,9 @@ class _PhaseClock:
 
 def _warm_triton_meanwhile() -> None:
     """Triton's per-process key, computed on a thread while the model loads (the first
-    kernel launch comes after the load and the shape probe)."""
-    from batchgen.engine.kernels.launch import warm_triton
+    kernel launch comes after the load and the shape probe). The engine server computed it
+    while it imported: then this finds it kept."""
+    from batchgen.engine.first_use import warm_triton
 
     Thread(target=warm_triton, name="batchgen-triton-key", daemon=True).start()
 

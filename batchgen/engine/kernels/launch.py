@@ -73,16 +73,3 @@ def _first(
         _compiled = None  # another Triton: its own path from now on
         return
     _compiled[key] = compiled
-
-
-def warm_triton() -> None:
-    """What Triton computes at a process's first compile or cache lookup, computed now (on a
-    thread while other start-up work runs): its own version key, the hashes of its sources and
-    of libtriton (~400 MB; 0.42 s on an H200 host, in `_first`'s first call), which Triton
-    keeps for the process. The hashing and the reads leave the GIL to other threads. A Triton
-    without this function computes its key where it always does."""
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        return
-    triton_key()

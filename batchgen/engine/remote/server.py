@@ -35,6 +35,7 @@ _FIRST_MODULES = (
     "torch",
     "batchgen.engine.config",
     "batchgen.engine.device",
+    "batchgen.engine.first_use",
     "batchgen.engine.model_path",
     "batchgen.engine.preload",
 )
@@ -146,8 +147,9 @@ class Call:
 
 class FirstMessage:
     """The first message on stdin, read on a thread while this process imports the engine's
-    modules. A load onto a GPU of a local folder starts reading its weights there and then
-    (preload.py): the seconds of transformers' imports are spent copying them meanwhile."""
+    modules. A load onto a GPU starts there and then what needs no model code: the driver, a
+    local folder's weights (preload.py), the first kernels (first_use.py); the seconds of
+    transformers' imports are spent on them meanwhile."""
 
     def __init__(self, requests: IO[bytes]) -> None:
         self.message: tuple | None = None
@@ -171,24 +173,39 @@ class FirstMessage:
             self.error = exc
             return
         if self.message[0] == "load":
-            self.preload = _preload(*self.message[1:3])
+            self.preload = _start_on_device(*self.message[1:3])
 
 
-def _preload(model: str, config: Any) -> Any:
-    """A Preload of the model's weights when it is a local folder loaded onto a GPU, else
-    None. Uses only modules main() imported before this thread started (no import races)."""
-    from batchgen.engine.device import resolve_device
+def _start_on_device(model: str, config: Any) -> Any:
+    """Where the engine will run on a GPU, what its start-up there needs that the imports do
+    not: the driver and its context (first_use.py), the weights of a local folder read ahead
+    (a Preload), and the first use of cuBLAS and the first forward pass's kernels. -> the
+    Preload, or None. Uses only modules main() imported before this thread started (no
+    import races)."""
+    from batchgen.engine.device import resolve_device, resolve_dtype
+    from batchgen.engine.first_use import device_index, init_driver, warm_first_use, warm_triton
     from batchgen.engine.model_path import DEFAULT_MODEL, resolve_model_path
     from batchgen.engine.preload import Preload
 
-    if model == DEFAULT_MODEL or importlib.util.find_spec("accelerate") is None:
-        return None  # (transformers loads onto a GPU through a device map: accelerate's)
+    index = device_index(config.device)
+    if index is None:
+        return None
+    init_driver(index)  # before torch's own initialization, which holds the GIL
     try:
         device = resolve_device(config)
-        source = resolve_model_path(model)
     except Exception:  # the engine's own load reports it
         return None
-    return Preload(source, device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    preload = None
+    # (transformers loads onto a GPU through a device map: accelerate's)
+    if model != DEFAULT_MODEL and importlib.util.find_spec("accelerate") is not None:
+        with contextlib.suppress(Exception):  # the engine's own load reports it
+            preload = Preload(resolve_model_path(model), device)
+    with contextlib.suppress(Exception):  # the engine's start-up meets it again
+        warm_first_use(device, resolve_dtype(config, device))
+        warm_triton()
+    return preload
 
 
 def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = None) -> None:
@@ -345,6 +362,8 @@ def main() -> None:
     with heavy_imports():
         for module in _FIRST_MODULES:  # what FirstMessage's thread uses, imported before it runs
             importlib.import_module(module)
+        if importlib.util.find_spec("triton") is not None:
+            importlib.import_module("triton.runtime.cache")  # warm_triton's
         first = FirstMessage(sys.stdin.buffer)
         importlib.import_module("batchgen.engine.engine")  # while the job's process starts too
     serve(sys.stdin.buffer, answers, first)
