@@ -3,6 +3,7 @@ process, calls that stop early, errors in one line, and a server that dies with 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -17,7 +18,13 @@ import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine import NOT_READY, Prompt
-from batchgen.engine.remote.client import EngineProcess, EngineServer, load_key, waited_phases
+from batchgen.engine.remote.client import (
+    PIPE_BYTES,
+    EngineProcess,
+    EngineServer,
+    load_key,
+    waited_phases,
+)
 from batchgen.engine.remote.placement import kept_cores, off_cores
 from batchgen.job import run_job
 from batchgen.spec import PipelineConfig, load_spec
@@ -258,6 +265,25 @@ def test_an_unused_early_server_is_closed(model: Path, tmp_path: Path) -> None:
     result = run_job(_job_spec(model, tmp_path, "early", "thread"), engine_server=server)
     assert result.complete and server.closed
     assert server.process.wait(timeout=60) == 0
+
+
+def _pipe_limit() -> int:
+    try:
+        return min(PIPE_BYTES, int(Path("/proc/sys/fs/pipe-max-size").read_text()))
+    except OSError:
+        return 0
+
+
+@pytest.mark.skipif(not _pipe_limit(), reason="pipe capacities are Linux's")
+def test_the_servers_pipes_hold_a_wave_of_results() -> None:
+    """A wave of 256 rows x 256 tokens (~300 KB pickled) goes into the pipe in one write, not
+    in steps the job's reader must drain while the engine thread waits."""
+    server = EngineServer()
+    try:
+        for pipe in (server.process.stdin, server.process.stdout):
+            assert fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ) == _pipe_limit() > 300_000
+    finally:
+        server.close()
 
 
 @pytest.mark.slow

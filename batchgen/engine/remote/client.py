@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import pickle
 import queue
@@ -41,7 +42,23 @@ WINDOW_SEQS = 2  # prompts sent and not yet taken by the engine: at most this x 
 POLL_S = 0.05  # how often a waiting generate looks at its stop event
 PROMPT_POLL_S = 0.005  # ... and at its prompt source, when that had nothing ready
 CLOSE_WAIT_S = 30.0  # how long close() waits for the server to exit before killing it
+# Each pipe's capacity (Linux's default is 64 KiB; an unprivileged process may set up to
+# /proc/sys/fs/pipe-max-size, 1 MiB by default). When a wave of requests ends together, the
+# engine thread writes all their token ids at once: 256 rows x 256 tokens pickle to ~300 KB,
+# and a write larger than the pipe holds waits, the GPU idle, until the job's reader thread
+# has drained the rest.
+PIPE_BYTES = 1 << 20
 _END = object()
+
+
+def widen(pipe: IO[bytes]) -> int:
+    """Give a pipe PIPE_BYTES of capacity where the system allows; -> its capacity (0 where
+    it cannot be read: not Linux)."""
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return 0
+    with contextlib.suppress(OSError):  # above the system's limit: the pipe keeps its own
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ)
 
 
 class EngineServer:
@@ -60,6 +77,8 @@ class EngineServer:
             env=env,
         )
         assert self.process.stdin is not None and self.process.stdout is not None
+        for pipe in (self.process.stdin, self.process.stdout):
+            widen(pipe)
         self._to = self.process.stdin
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.closed = False
