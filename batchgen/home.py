@@ -6,6 +6,7 @@
   (see `use_bytecode_cache`).
 - `logs/`: crash logs with the traceback of an internal error.
 - `package_map.json`: the installed packages' import names -> distributions (package_map.py).
+- `import_structure/`: transformers' map of what its modules export (import_structure.py).
 
 This module imports nothing heavy: the command line calls it before torch is imported.
 """
@@ -52,6 +53,10 @@ def logs_dir() -> Path:
 
 def package_map_file() -> Path:
     return batchgen_home() / "package_map.json"
+
+
+def import_structure_dir() -> Path:
+    return batchgen_home() / "import_structure"
 
 
 def use_bytecode_cache() -> bool:

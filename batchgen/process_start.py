@@ -5,7 +5,8 @@ its heavy modules: `prepare_imports()` first thing, then torch and transformers 
 - Bytecode is kept under $BATCHGEN_HOME where the environment keeps none
   (`home.use_bytecode_cache`).
 - Packages batchgen never uses are kept from being imported (`skipped_imports`).
-- importlib.metadata's package -> distribution map is kept between runs (`package_map`).
+- importlib.metadata's package -> distribution map is kept between runs (`package_map`), and
+  so is transformers' import structure (`import_structure`).
 - Python's cyclic garbage collector is paused while the heavy modules load. Importing torch and
   transformers' model code makes ~600k tracked objects, and the collections their allocations
   trigger walk the older ones again and again: `import torch, batchgen.engine.engine` took
@@ -25,6 +26,7 @@ import gc
 from collections.abc import Iterator
 
 from batchgen.home import turned_off, use_bytecode_cache
+from batchgen.import_structure import keep_import_structure
 from batchgen.package_map import keep_package_map
 from batchgen.skipped_imports import skip_unused_imports
 
@@ -32,11 +34,12 @@ PAUSE_GC_ENV = "BATCHGEN_PAUSE_GC"
 
 
 def prepare_imports() -> None:
-    """Before this process imports torch: the bytecode cache, the skipped packages and the
-    kept package map."""
+    """Before this process imports torch: the bytecode cache, the skipped packages, the kept
+    package map and import structure."""
     use_bytecode_cache()
     skip_unused_imports()
     keep_package_map()
+    keep_import_structure()
 
 
 @contextlib.contextmanager
