@@ -2,9 +2,9 @@
 
 The engine process spends seconds importing transformers' model code, one thread holding the
 GIL. Work that releases the GIL can run beside it for free; work that holds it delays the
-imports by as long. Two first-use costs of the GPU are of the second kind or sit later on the
-way to the first row, so this module pays them early, on the thread that reads the first
-message (engine/remote/server.py):
+imports by as long. The first-use costs below are of the second kind or sit later on the way
+to the first row, so this module pays them early, on the thread that reads the first message
+(engine/remote/server.py):
 
 - `init_driver`: the CUDA driver's initialization and the device's primary context. torch's
   own lazy initialization makes them with the GIL held (~0.19 s on an H200 host, every import
@@ -16,7 +16,7 @@ message (engine/remote/server.py):
   fingerprint use, which the engine's start-up would otherwise meet one by one after its
   imports.
 
-Both only change how soon things happen: where they fail, the engine's own start-up meets the
+They only change how soon things happen: where they fail, the engine's own start-up meets the
 same work, and its error, as before.
 """
 

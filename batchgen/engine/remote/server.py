@@ -179,9 +179,9 @@ class FirstMessage:
 def _start_on_device(model: str, config: Any) -> Any:
     """Where the engine will run on a GPU, what its start-up there needs that the imports do
     not: the driver and its context (first_use.py), the weights of a local folder read ahead
-    (a Preload), and the first use of cuBLAS and the first forward pass's kernels. -> the
-    Preload, or None. Uses only modules main() imported before this thread started (no
-    import races)."""
+    (a Preload), the first use of cuBLAS and the first forward pass's kernels, and Triton's
+    key. -> the Preload, or None. Uses only modules main() imported before this thread
+    started (no import races)."""
     from batchgen.engine.device import resolve_device, resolve_dtype
     from batchgen.engine.first_use import device_index, init_driver, warm_first_use, warm_triton
     from batchgen.engine.model_path import DEFAULT_MODEL, resolve_model_path
