@@ -119,10 +119,11 @@ def kept(compute: Callable[..., Any], source: str) -> Callable[..., Any]:
 
 def _store(path: Path, value: Any) -> None:
     with contextlib.suppress(Exception):  # kept where it can be
+        from batchgen.io.atomic import write_atomic  # (pyarrow: only when writing)
+
+        data = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f"{path.name}.{os.getpid()}.part")
-        part.write_bytes(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
-        os.replace(part, path)  # readers see the old file or the new one, never half
+        write_atomic(path, lambda f: f.write(data))
 
 
 def _key(source: str, module_path: Any) -> str | None:

@@ -58,10 +58,10 @@ def _kept(compute: Callable[[], dict[str, list[str]]]) -> Callable[[], dict[str,
                 return {str(k): [str(d) for d in v] for k, v in stored["map"].items()}
         answer = compute()
         with contextlib.suppress(OSError, TypeError, ValueError):  # kept where it can be
+            from batchgen.io.atomic import write_json_atomic  # (pyarrow: only when writing)
+
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f"{path.name}.{os.getpid()}.part")
-            part.write_text(json.dumps({"key": key, "map": answer}))
-            os.replace(part, path)  # readers see the old file or the new one, never half
+            write_json_atomic(path, {"key": key, "map": answer})
         return answer
 
     return packages_distributions
