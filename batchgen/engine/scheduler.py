@@ -86,9 +86,12 @@ class Scheduler:
                 continue
             chunks.append(self._take(request, size))
             budget -= chunks[-1].num_tokens
+        decodes_only = budget + len(chunks) == self.max_num_batched_tokens
         self._fork_ready()
+        before = budget
         budget = self._admit(chunks, budget)
-        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        if not decodes_only or budget != before:  # a longer chunk may precede a decode
+            chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
         return Batch(chunks, self.max_num_batched_tokens - budget)
 
     def add_samples(self, first: Request, others: list[Request]) -> None:
