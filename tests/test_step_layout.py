@@ -89,3 +89,94 @@ def test_plain_decodes_packed_in_bulk_equal_the_per_chunk_path(monkeypatch) -> N
     each_host, each = prepare_step(batch, 16, 16)
     assert torch.equal(bulk, each)
     assert bulk_host == each_host
+
+
+def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
+    """The runner's packer (steady decode steps repeat the previous buffer with new positions)
+    against the full packing, step by step, through admissions, finished and preempted
+    requests (a small KV cache), requests readmitted into other slots, graph padding, and the
+    sampling settings that make a decode not plain (min_new_tokens bans, penalties)."""
+    import random
+
+    from batchgen.engine import step_inputs
+    from batchgen.engine.request import Status
+    from batchgen.engine.step_inputs import StepPacker
+
+    full = []
+    real_prepare = step_inputs._prepare
+    monkeypatch.setattr(step_inputs, "_prepare", lambda *a: full.append(1) or real_prepare(*a))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=4, seed=3),
+        SamplingParams(min_new_tokens=6),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(top_p=0.7, logprobs=2),
+    ]
+    steps = repeats = preemptions = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        scheduler = Scheduler(BlockManager(40, 4), 8, 24, True)
+        packer = StepPacker()
+        for made in range(10):
+            scheduler.add(_random_request(rng, f"{seed}-{made}", params))
+        previous = None
+        for _ in range(150):
+            if rng.random() < 0.15:
+                made += 1
+                scheduler.add(_random_request(rng, f"{seed}-{made}", params))
+            batch = scheduler.schedule()
+            decode_only = bool(batch.chunks) and all(c.num_tokens == 1 for c in batch.chunks)
+            pad_to = max(len(batch.chunks), 8 if len(batch.chunks) > 4 else 4) if decode_only else 0
+            before = len(full)
+            if batch.chunks:
+                host, flat = packer.prepare(batch, pad_to, 8)
+                want_host, want = prepare_step(batch, pad_to, 8)
+                assert torch.equal(flat, want), f"seed {seed} step {steps}"
+                assert host == want_host, f"seed {seed} step {steps}"
+                steps += 1
+                repeats += len(full) == before + 1  # only the reference packed it
+                for request, synced in host.synced:
+                    request.num_synced_blocks = synced
+            for chunk in previous.chunks if previous else []:  # the step before's tokens
+                if not chunk.samples:
+                    continue
+                request = chunk.request
+                request.num_pending -= 1
+                if request.status is Status.FINISHED:
+                    continue
+                request.output_token_ids.append(rng.randint(2, 50))
+                if request.num_tokens >= request.max_tokens or rng.random() < 0.03:
+                    scheduler.finish(request, "stop")
+            previous = batch if batch.chunks else None
+        preemptions += scheduler.num_preemptions
+    assert preemptions, "the small cache preempts"
+    assert repeats > 20, f"the fast path ran {repeats} times in {steps} steps"
+
+
+def test_step_packer_repeats_only_the_same_requests() -> None:
+    """Two steps of plain decodes, as many rows, other requests: packed in full again."""
+    from batchgen.engine.scheduler import Batch, ScheduledChunk
+    from batchgen.engine.step_inputs import StepPacker
+
+    def plain_step(first_slot: int, key: int) -> Batch:
+        chunks = []
+        for i in range(3):
+            r = Request(f"{key}-{i}", list(range(6)), SamplingParams(), 0, 50, frozenset({1}))
+            r.slot, r.rng_key, r.block_table, r.num_synced_blocks = first_slot + i, key + i, [i], 1
+            r.num_pending = 1
+            chunks.append(ScheduledChunk(r, 6, 1, True, True))
+        return Batch(chunks, 3)
+
+    packer = StepPacker()
+    for batch in (plain_step(0, 10), plain_step(3, 20)):
+        host, flat = packer.prepare(batch, 4, 7)
+        want_host, want = prepare_step(batch, 4, 7)
+        assert torch.equal(flat, want) and host == want_host
+
+
+def _random_request(rng, name: str, choices: list[SamplingParams]) -> Request:
+    prompt = list(range(3, 3 + rng.randint(1, 14)))
+    new_tokens = rng.randint(1, 60)
+    key = int(name.rsplit("-", 1)[1])
+    params = rng.choice(choices)
+    return Request(name, prompt, params, 0, len(prompt) + new_tokens, frozenset({1}), rng_key=key)

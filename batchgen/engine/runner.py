@@ -25,7 +25,7 @@ from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import HostStep, prepare_step
+from batchgen.engine.step_inputs import HostStep, StepPacker
 from batchgen.engine.step_layout import Layout, SamplingInputs, unpack_sampling, unpack_step
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
@@ -164,6 +164,7 @@ class ModelRunner:
         seqs = config.max_num_seqs
         size = Layout(config.max_num_batched_tokens, seqs, seqs, U=seqs).size  # grows if needed
         self.transfer = Transfer(size, seqs, device)
+        self.packer = StepPacker()  # packs each launched step's buffer, in launch order
         # called around each launched step (a benchmark's timeline); None = nothing
         self.step_hook: StepHook | None = None
         self.fusion: Fusion | None = None
@@ -189,7 +190,7 @@ class ModelRunner:
         """Queue the step's inputs and forward pass; sample() queues the rest. Between the two
         the host may fill a token bitmask while the device runs the forward."""
         pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
-        host, staged = prepare_step(batch, pad_to, self.pad_slot)
+        host, staged = self.packer.prepare(batch, pad_to, self.pad_slot)
         for request, synced in host.synced:  # the new block-table entries are on their way
             request.num_synced_blocks = synced
         flat = self.transfer.to_device(staged)

@@ -82,12 +82,93 @@ def prepare_step(
 
     pad_to > len(batch.chunks) pads a decode-only batch with one-token rows in pad_slot.
     """
+    host, flat, _ = _prepare(batch, pad_to, pad_slot)
+    return host, flat
+
+
+class StepPacker:
+    """prepare_step for one runner's steps, in launch order, with a fast path for steady
+    decoding. A step whose rows are all plain decodes of the same requests, in the same order
+    and padding, as the step packed just before it differs from that one only in each row's
+    position and context length: everything else a plain decode packs (its relay slot, row
+    indices, sampler key and sampling constants) is fixed from its admission to its end, and a
+    request that was released or admitted again since comes with an admitted chunk, which is
+    not plain. So such a step copies the previous buffer and writes those three columns."""
+
+    def __init__(self) -> None:
+        self._last: _PlainStep | None = None
+
+    def prepare(
+        self, batch: Batch, pad_to: int = 0, pad_slot: int = -1
+    ) -> tuple[HostStep, torch.Tensor]:
+        last = self._last
+        if last is not None and last.matches(batch.chunks, pad_to, pad_slot):
+            return last.repeat(batch.chunks)
+        host, flat, plain = _prepare(batch, pad_to, pad_slot)
+        self._last = _PlainStep(batch.chunks, host, flat, pad_to, pad_slot) if plain else None
+        return host, flat
+
+
+class _PlainStep:
+    """A packed step of plain decodes only, kept to pack the next one like it."""
+
+    def __init__(
+        self,
+        chunks: list[ScheduledChunk],
+        host: HostStep,
+        flat: torch.Tensor,
+        pad_to: int,
+        pad_slot: int,
+    ) -> None:
+        self.requests = [c.request for c in chunks]
+        self.pad_to, self.pad_slot = pad_to, pad_slot
+        self.host = host
+        self.values = flat.numpy().copy()
+        layout, real = host.layout, len(chunks)
+        self.positions = _rows(layout.model_offset("positions"), real)  # a row's: its start
+        self.ends = (  # start + 1: the context length, and the position of the sampled token
+            _rows(layout.model_offset("context_lens"), real),
+            _rows(layout.sample_offset("positions"), real),
+        )
+        self.padding = host.context_lens[real:]
+
+    def matches(self, chunks: list[ScheduledChunk], pad_to: int, pad_slot: int) -> bool:
+        requests = self.requests
+        return (
+            len(chunks) == len(requests)
+            and pad_to == self.pad_to
+            and pad_slot == self.pad_slot
+            and all(c.request is r for c, r in zip(chunks, requests, strict=True))
+            and _plain_run(chunks, 0) == len(chunks)
+        )
+
+    def repeat(self, chunks: list[ScheduledChunk]) -> tuple[HostStep, torch.Tensor]:
+        values = self.values.copy()
+        starts = [c.start for c in chunks]
+        ends = [s + 1 for s in starts]
+        values[self.positions] = starts
+        for rows in self.ends:
+            values[rows] = ends
+        host = self.host._replace(
+            cu_seqlens=list(self.host.cu_seqlens), context_lens=ends + self.padding
+        )
+        return host, torch.from_numpy(values)
+
+
+def _rows(offset: int, count: int) -> slice:
+    return slice(offset, offset + count)
+
+
+def _prepare(batch: Batch, pad_to: int, pad_slot: int) -> tuple[HostStep, torch.Tensor, bool]:
+    """prepare_step's result, and whether the step's rows were all plain decodes."""
     L = _Lists()
     chunks = batch.chunks
     real = len(chunks)
+    all_plain = real > 0
     i = 0
     while i < real:
         plain = _plain_run(chunks, i)
+        all_plain = all_plain and plain == real
         if plain > i:  # rows [i, plain) in bulk
             _add_plain_decodes(L, i, chunks[i:plain])
             i = plain
@@ -114,7 +195,7 @@ def prepare_step(
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
     flags = _flags(int_cols, float_cols) if S else SamplingFlags()
     host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)
-    return host, flat
+    return host, flat, all_plain
 
 
 def _flags(int_cols: list[tuple[int, ...]], float_cols: list[tuple[float, ...]]) -> SamplingFlags:

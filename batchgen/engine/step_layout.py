@@ -90,6 +90,19 @@ class Layout(NamedTuple):
     def fixed_size(self) -> int:
         return sum(self.model_sizes)
 
+    def model_offset(self, name: str) -> int:
+        """Where the model segment `name` starts in the buffer."""
+        offset = 0
+        for segment, rows in MODEL_SEGMENTS:
+            if segment == name:
+                return offset
+            offset += self.rows(rows)
+        raise KeyError(name)
+
+    def sample_offset(self, name: str) -> int:
+        """Where the per-sampled-row column `name` (SAMPLE_INTS or SAMPLE_FLOATS) starts."""
+        return self.fixed_size + self.S * (*SAMPLE_INTS, *SAMPLE_FLOATS).index(name)
+
     @property
     def sampling_sizes(self) -> list[int]:
         columns = [self.S] * (len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
