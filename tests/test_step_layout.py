@@ -92,8 +92,9 @@ def test_plain_decodes_packed_in_bulk_equal_the_per_chunk_path(monkeypatch) -> N
 
 
 def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
-    """The runner's packer (steady decode steps repeat the previous buffer with new positions)
-    against the full packing, step by step, through admissions, finished and preempted
+    """The runner's packer (steady decode steps repeat the previous buffer with new positions
+    and the block-table entries of rows that opened a block) against the full packing, step by
+    step, through admissions, finished and preempted
     requests (a small KV cache), requests readmitted into other slots, graph padding, and the
     sampling settings that make a decode not plain (min_new_tokens bans, penalties)."""
     import random
@@ -103,8 +104,7 @@ def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
     from batchgen.engine.step_inputs import StepPacker
 
     full = []
-    real_prepare = step_inputs._prepare
-    monkeypatch.setattr(step_inputs, "_prepare", lambda *a: full.append(1) or real_prepare(*a))
+    monkeypatch.setattr(step_inputs, "prepare_step", lambda *a: full.append(1) or prepare_step(*a))
     params = [
         SamplingParams(),
         SamplingParams(temperature=0.8, top_k=4, seed=3),
@@ -112,7 +112,7 @@ def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
         SamplingParams(repetition_penalty=1.2),
         SamplingParams(top_p=0.7, logprobs=2),
     ]
-    steps = repeats = preemptions = 0
+    steps = repeats = grown = preemptions = 0
     for seed in range(6):
         rng = random.Random(seed)
         scheduler = Scheduler(BlockManager(40, 4), 8, 24, True)
@@ -134,7 +134,9 @@ def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
                 assert torch.equal(flat, want), f"seed {seed} step {steps}"
                 assert host == want_host, f"seed {seed} step {steps}"
                 steps += 1
-                repeats += len(full) == before + 1  # only the reference packed it
+                repeated = len(full) == before + 1  # only the reference packed it
+                repeats += repeated
+                grown += repeated and host.layout.U > 0  # rows that opened a block
                 for request, synced in host.synced:
                     request.num_synced_blocks = synced
             for chunk in previous.chunks if previous else []:  # the step before's tokens
@@ -150,7 +152,7 @@ def test_step_packer_packs_every_step_as_prepare_step(monkeypatch) -> None:
             previous = batch if batch.chunks else None
         preemptions += scheduler.num_preemptions
     assert preemptions, "the small cache preempts"
-    assert repeats > 20, f"the fast path ran {repeats} times in {steps} steps"
+    assert repeats > 20 and grown > 5, f"fast path: {repeats} of {steps} steps ({grown} grown)"
 
 
 def test_step_packer_repeats_only_the_same_requests() -> None:

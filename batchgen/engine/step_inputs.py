@@ -18,6 +18,7 @@ from array import array
 from itertools import chain, islice
 from typing import NamedTuple
 
+import numpy
 import torch
 
 from batchgen.engine.request import Request
@@ -82,93 +83,12 @@ def prepare_step(
 
     pad_to > len(batch.chunks) pads a decode-only batch with one-token rows in pad_slot.
     """
-    host, flat, _ = _prepare(batch, pad_to, pad_slot)
-    return host, flat
-
-
-class StepPacker:
-    """prepare_step for one runner's steps, in launch order, with a fast path for steady
-    decoding. A step whose rows are all plain decodes of the same requests, in the same order
-    and padding, as the step packed just before it differs from that one only in each row's
-    position and context length: everything else a plain decode packs (its relay slot, row
-    indices, sampler key and sampling constants) is fixed from its admission to its end, and a
-    request that was released or admitted again since comes with an admitted chunk, which is
-    not plain. So such a step copies the previous buffer and writes those three columns."""
-
-    def __init__(self) -> None:
-        self._last: _PlainStep | None = None
-
-    def prepare(
-        self, batch: Batch, pad_to: int = 0, pad_slot: int = -1
-    ) -> tuple[HostStep, torch.Tensor]:
-        last = self._last
-        if last is not None and last.matches(batch.chunks, pad_to, pad_slot):
-            return last.repeat(batch.chunks)
-        host, flat, plain = _prepare(batch, pad_to, pad_slot)
-        self._last = _PlainStep(batch.chunks, host, flat, pad_to, pad_slot) if plain else None
-        return host, flat
-
-
-class _PlainStep:
-    """A packed step of plain decodes only, kept to pack the next one like it."""
-
-    def __init__(
-        self,
-        chunks: list[ScheduledChunk],
-        host: HostStep,
-        flat: torch.Tensor,
-        pad_to: int,
-        pad_slot: int,
-    ) -> None:
-        self.requests = [c.request for c in chunks]
-        self.pad_to, self.pad_slot = pad_to, pad_slot
-        self.host = host
-        self.values = flat.numpy().copy()
-        layout, real = host.layout, len(chunks)
-        self.positions = _rows(layout.model_offset("positions"), real)  # a row's: its start
-        self.ends = (  # start + 1: the context length, and the position of the sampled token
-            _rows(layout.model_offset("context_lens"), real),
-            _rows(layout.sample_offset("positions"), real),
-        )
-        self.padding = host.context_lens[real:]
-
-    def matches(self, chunks: list[ScheduledChunk], pad_to: int, pad_slot: int) -> bool:
-        requests = self.requests
-        return (
-            len(chunks) == len(requests)
-            and pad_to == self.pad_to
-            and pad_slot == self.pad_slot
-            and all(c.request is r for c, r in zip(chunks, requests, strict=True))
-            and _plain_run(chunks, 0) == len(chunks)
-        )
-
-    def repeat(self, chunks: list[ScheduledChunk]) -> tuple[HostStep, torch.Tensor]:
-        values = self.values.copy()
-        starts = [c.start for c in chunks]
-        ends = [s + 1 for s in starts]
-        values[self.positions] = starts
-        for rows in self.ends:
-            values[rows] = ends
-        host = self.host._replace(
-            cu_seqlens=list(self.host.cu_seqlens), context_lens=ends + self.padding
-        )
-        return host, torch.from_numpy(values)
-
-
-def _rows(offset: int, count: int) -> slice:
-    return slice(offset, offset + count)
-
-
-def _prepare(batch: Batch, pad_to: int, pad_slot: int) -> tuple[HostStep, torch.Tensor, bool]:
-    """prepare_step's result, and whether the step's rows were all plain decodes."""
     L = _Lists()
     chunks = batch.chunks
     real = len(chunks)
-    all_plain = real > 0
     i = 0
     while i < real:
         plain = _plain_run(chunks, i)
-        all_plain = all_plain and plain == real
         if plain > i:  # rows [i, plain) in bulk
             _add_plain_decodes(L, i, chunks[i:plain])
             i = plain
@@ -195,7 +115,104 @@ def _prepare(batch: Batch, pad_to: int, pad_slot: int) -> tuple[HostStep, torch.
     num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
     flags = _flags(int_cols, float_cols) if S else SamplingFlags()
     host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)
-    return host, flat, all_plain
+    return host, flat
+
+
+class StepPacker:
+    """prepare_step for one runner's steps, in launch order, with a fast path for steady
+    decoding. A step whose rows are decodes of the same requests, in the same order and
+    padding, as the step packed just before it (each with its newest token in flight, none
+    admitted since, none inside min_new_tokens) differs from that one only in each row's
+    position and context length, and in the block-table entries of rows that opened a block:
+    everything else such a row packs (its relay slot, row indices, sampler key and sampling
+    constants) is fixed from its admission to its end, and a request released or admitted
+    again since comes with an admitted chunk. So such a step copies the previous buffer up to
+    its tail, writes those columns, and appends the new entries."""
+
+    def __init__(self) -> None:
+        self._last: _SteadyStep | None = None
+
+    def prepare(
+        self, batch: Batch, pad_to: int = 0, pad_slot: int = -1
+    ) -> tuple[HostStep, torch.Tensor]:
+        chunks = batch.chunks
+        last = self._last
+        if last is not None and last.pad == (pad_to, pad_slot):
+            grown = _steady_rows(chunks, last.requests)
+            if grown is not None:
+                return last.repeat(chunks, grown)
+        host, flat = prepare_step(batch, pad_to, pad_slot)
+        requests = [c.request for c in chunks]
+        steady = bool(chunks) and _steady_rows(chunks, requests) is not None
+        self._last = _SteadyStep(requests, host, flat, (pad_to, pad_slot)) if steady else None
+        return host, flat
+
+
+def _steady_rows(chunks: list[ScheduledChunk], requests: list[Request]) -> list[Request] | None:
+    """None unless chunks are decodes of `requests`, in order, each relaying its newest token,
+    not admitted, and past min_new_tokens (no bans); -> those with block-table entries to send."""
+    if len(chunks) != len(requests):
+        return None
+    grown = []
+    for c, r in zip(chunks, requests, strict=True):
+        if (
+            c.request is not r
+            or c.num_tokens != 1
+            or not c.relay_last
+            or c.admitted
+            or c.start + 1 - len(r.prompt_token_ids) < r.params.min_new_tokens
+        ):
+            return None
+        if r.num_synced_blocks != len(r.block_table):
+            grown.append(r)
+    return grown
+
+
+class _SteadyStep:
+    """A packed step of steady decodes only, kept to pack the next one like it."""
+
+    def __init__(
+        self, requests: list[Request], host: HostStep, flat: torch.Tensor, pad: tuple[int, int]
+    ) -> None:
+        self.requests, self.pad = requests, pad
+        layout, real = host.layout, len(requests)
+        self.layout = layout._replace(U=0)  # its only tail: block-table entries (updates)
+        self.host = host._replace(layout=self.layout, synced=[])
+        self.values = flat.numpy()[: layout.tail_offset].copy()
+        self.positions = _rows(layout.model_offset("positions"), real)  # a row's: its start
+        self.ends = (  # start + 1: the context length, and the position of the sampled token
+            _rows(layout.model_offset("context_lens"), real),
+            _rows(layout.sample_offset("positions"), real),
+        )
+        self.padding = host.context_lens[real:]
+
+    def repeat(
+        self, chunks: list[ScheduledChunk], grown: list[Request]
+    ) -> tuple[HostStep, torch.Tensor]:
+        values = self.values.copy()
+        starts = [c.start for c in chunks]
+        ends = [s + 1 for s in starts]
+        values[self.positions] = starts
+        for rows in self.ends:
+            values[rows] = ends
+        host = self.host._replace(
+            cu_seqlens=list(self.host.cu_seqlens), context_lens=ends + self.padding
+        )
+        if grown:  # the updates segment, as _add_chunk writes it
+            updates = array("q")
+            for r in grown:
+                for col in range(r.num_synced_blocks, len(r.block_table)):
+                    updates.extend((r.slot, col, r.block_table[col]))
+            values = numpy.concatenate((values, numpy.frombuffer(updates, dtype=numpy.int64)))
+            host = host._replace(
+                layout=self.layout._replace(U=len(updates) // 3),
+                synced=[(r, len(r.block_table)) for r in grown],
+            )
+        return host, torch.from_numpy(values)
+
+
+def _rows(offset: int, count: int) -> slice:
+    return slice(offset, offset + count)
 
 
 def _flags(int_cols: list[tuple[int, ...]], float_cols: list[tuple[float, ...]]) -> SamplingFlags:

@@ -104,6 +104,11 @@ class Layout(NamedTuple):
         return self.fixed_size + self.S * (*SAMPLE_INTS, *SAMPLE_FLOATS).index(name)
 
     @property
+    def tail_offset(self) -> int:
+        """Where the variable-length tail (TAIL_SEGMENTS) starts."""
+        return self.fixed_size + self.S * (len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
+
+    @property
     def sampling_sizes(self) -> list[int]:
         columns = [self.S] * (len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
         return columns + [self.rows(rows) * width for _, rows, width in TAIL_SEGMENTS]
