@@ -24,7 +24,7 @@ from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
-from batchgen.engine.remote.client import EngineProcess, EngineServer
+from batchgen.engine.remote.client import EngineProcess, EngineServer, RemoteRecorder
 from batchgen.engine.remote.placement import off_cores
 from batchgen.engine.request import NOT_READY, Prompt
 from batchgen.errors import BatchgenError
@@ -474,14 +474,11 @@ def run_pipeline(
 def _start_profile(
     engine: Engine, layout: OutputLayout, run: str, producer: Producer, consumer: Consumer
 ) -> Any:
-    """A step recorder on the engine for this run (imported only when a job profiles)."""
-    from batchgen.profile.recorder import Gauges, StepRecorder
-
+    """A step recorder on the engine for this run (imported only when a job profiles): in
+    the engine's own process when it has one (that process writes the records)."""
     if isinstance(engine, EngineProcess):
-        raise BatchgenError(
-            "runtime.profile records the engine's steps in the job's process, and this job's "
-            "engine runs in a process of its own: give the job an Engine to profile it"
-        )
+        return RemoteRecorder(engine, layout.profile_steps(run), run).attach()
+    from batchgen.profile.recorder import Gauges, StepRecorder
 
     gauges = Gauges(producer.ready_rows, consumer.lag)
     return StepRecorder(engine, layout.profile_steps(run), run, gauges).attach()

@@ -71,9 +71,9 @@ class PipelineConfig:
     # where the engine runs: "process" = a process of its own, so no reader, tokenizer or
     # writer thread of the job's process ever holds the GIL its loop needs; "thread" = the
     # job's process; "auto" = its own process on a GPU, the job's on the CPU (where the
-    # engine's compute, not the GIL, sets the pace, and two processes share few cores), when
-    # the job profiles (the step recorder reads the engine in the job's process) and in the
-    # ranks of a data-parallel job
+    # engine's compute, not the GIL, sets the pace, and two processes share few cores) and in
+    # the ranks of a data-parallel job. A job that profiles records its engine's steps where
+    # the engine runs
     engine_process: str = "auto"
     # with the engine in its own process: cores it runs on alone, the job's own threads
     # (reader, tokenizer, writer, and the pools they start) on the others; None = 2 where the
@@ -102,18 +102,13 @@ class PipelineConfig:
             self.engine_process,
             " or ".join(ENGINE_PLACES),
         )
-        if self.engine_process == "process" and self.profile:
-            raise ValueError(
-                "profile=true records the engine's steps in the job's own process: set "
-                "engine_process = 'auto' or 'thread' to profile"
-            )
 
     def own_engine_process(self, cuda: bool, data_parallel: bool = False) -> bool:
         """Whether the engine runs in a process of its own (engine_process; "auto": on a
-        GPU, unless the job profiles or is a data-parallel rank, whose engine stays in it)."""
+        GPU, unless the job is a data-parallel rank, whose engine stays in it)."""
         if self.engine_process != "auto":
             return self.engine_process == "process"
-        return cuda and not self.profile and not data_parallel
+        return cuda and not data_parallel
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,43 @@ def test_records_are_flushed_while_the_job_runs(model_dir, tmp_path: Path, monke
     assert info.stop_host_ms is None and len(records) > 0
     assert len(records) < len(read_records(Path(result.profile_file))[1])
     assert "killed: records up to the last flush" in write_report(tmp_path / "killed").text
+
+
+def test_an_engine_in_its_own_process_is_profiled_there(model_dir, tmp_path: Path) -> None:
+    """The default on a GPU: the engine server records its own steps and writes them; the
+    rows are those of the same job unprofiled, and the report reads the records."""
+    inp = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    sets = (*SETS, "runtime.engine_process='process'")
+    assert run_job(spec_for(model_dir("llama"), inp, tmp_path / "plain", *sets)).complete
+    out = tmp_path / "out"
+    result = run_job(spec_for(model_dir("llama"), inp, out, *sets, "runtime.profile=true"))
+    assert result.complete and "engine_process" in result.summary.startup_s
+    assert result.profile_file == str(next((out / "profile").glob("steps-*.parquet")))
+    info, records = read_records(Path(result.profile_file))
+    summary = result.summary
+    assert info.stop_host_ms is not None and info.max_num_seqs == 3
+    assert sum(r.prefill_tokens for r in records) == summary.prompt_tokens
+    assert sum(r.decode_tokens for r in records) == summary.generated_tokens - len(ROWS)
+    # the rows that wait in the engine's process are its tokenizer gauge; the writer is not
+    assert all(r.tokenizer_depth >= 0 and r.writer_lag is None for r in records)
+    assert max(r.tokenizer_depth for r in records) > 0
+    assert "steps" in write_report(out).text
+    rows = {name: pq.read_table(tmp_path / name / "results.parquet").to_pylist()
+            for name in ("plain", "out")}  # fmt: skip
+    assert rows["out"] == rows["plain"]
+
+
+def test_a_profile_the_engine_process_cannot_write_is_a_warning(
+    model_dir, tmp_path: Path, capsys
+) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
+    out = tmp_path / "out"
+
+    def block_the_folder(layout, committed) -> None:  # once the job has claimed the directory
+        layout.profile.write_text("a file where the records' folder would be")
+
+    sets = (*SETS, "runtime.engine_process='process'", "runtime.profile=true")
+    spec = spec_for(model_dir("llama"), inp, out, *sets)
+    result = run_job(spec, hooks=Hooks(on_start=block_the_folder))
+    assert result.complete and result.summary.rows_ok == 3 and result.profile_file is None
+    assert "the profile records could not be written" in capsys.readouterr().err

@@ -163,6 +163,35 @@ class EngineServer:
             self.inbox.put(("eof",))
 
 
+class RemoteRecorder:
+    """A job's step recorder for an engine in its own process: the server records the steps
+    of the next generate call (profile/recorder.py there) and writes them to `path` when the
+    call ends. The same attach() / close() as StepRecorder."""
+
+    def __init__(self, engine: EngineProcess, path: Any, run: str) -> None:
+        self.engine, self.path, self.run = engine, path, run
+        self.outcome: tuple[str, str] | None = None  # from the call's "done"
+
+    def attach(self) -> RemoteRecorder:
+        self.engine.recorder = self
+        return self
+
+    def asked(self) -> tuple[str, str]:
+        """What the generate message carries: where to write, and the run's token."""
+        return (str(self.path), self.run)
+
+    def close(self) -> Any:
+        """-> the records' file, once the call has ended; RuntimeError saying why if the
+        server wrote none (or the call never reached it)."""
+        self.engine.recorder = None
+        if self.outcome is None:
+            raise RuntimeError("the engine process ended the call without its step records")
+        status, detail = self.outcome
+        if status != "ok":
+            raise RuntimeError(detail)
+        return self.path
+
+
 def load_key(model: str, config: EngineConfig, quiet: bool, step_hook: str | None) -> tuple:
     """What a server is asked to load: a resolved model path (resolve_model_path), the
     engine's config, whether transformers' progress bars stay quiet, the step hook."""
@@ -220,6 +249,7 @@ class EngineProcess:
         self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
         self.cache_stats = CacheStats()
         self.step_report: dict | None = None
+        self.recorder: RemoteRecorder | None = None  # the next generate call's, if it profiles
         self.server = server
         try:
             source = resolve_model_path(model)  # a missing folder fails before a process starts
@@ -270,7 +300,10 @@ class EngineProcess:
         self._check_open()
         self._calls += 1
         call_id, self._taken, self._pending = self._calls, 0, {}
-        self.server.send(("generate", call_id, params or SamplingParams(), decode, check_outputs))
+        recorder = self.recorder
+        profile = None if recorder is None else recorder.asked()
+        message = ("generate", call_id, params or SamplingParams(), decode, check_outputs, profile)
+        self.server.send(message)
         window = WINDOW_SEQS * self.config.max_num_seqs
         source, sent = iter(prompts), 0
         ended = end_sent = stopping = done = False
@@ -302,7 +335,7 @@ class EngineProcess:
                 if message is None:
                     continue
                 if message[0] == "done" and message[1] == call_id:
-                    self.cache_stats, self.step_report = message[2], message[3]
+                    self._done(message)
                     done = True
                     return
                 yield from self._results(message)
@@ -362,8 +395,14 @@ class EngineProcess:
                 self.server.inbox.put(message)  # there for the next call to raise
                 return
             if message[0] == "done" and message[1] == call_id:
-                self.cache_stats = message[2]
+                self._done(message)
                 return
+
+    def _done(self, message: tuple) -> None:
+        """A call's "done": its cache stats, step report and profile outcome."""
+        _, _, self.cache_stats, self.step_report, profiled = message
+        if self.recorder is not None and profiled is not None:
+            self.recorder.outcome = profiled
 
     def _check_open(self) -> None:
         if self.server.closed:

@@ -3,7 +3,8 @@
 To the engine (the server's stdin):
 - ("load", model, config, quiet, step_hook, cpus) once (cpus: the cores to keep to once
   loaded, empty for all); answered ("ready", facts) or an error.
-- per generate call, numbered n from 1: ("generate", n, params, decode, check_outputs), then
+- per generate call, numbered n from 1: ("generate", n, params, decode, check_outputs,
+  profile) (profile: None, or (path, run) to record the call's steps there), then
   ("prompts", n, rows) as prompts become ready, and ("end", n) once there are no more or
   ("stop", n) to stop after the step in flight. A row is (request id, the prompt
   ids as int64 bytes or the prompt itself, sampling, seed key).
@@ -14,7 +15,8 @@ From the engine (a copy of the server's stdout; what it prints goes to stderr):
 - ("outputs", n, results, prompts taken, cache stats) after a step that finished
   requests or took prompts; a result whose prompt ids are the ones sent comes back with
   prompt_token_ids None (the job's side puts them back).
-- ("done", n, cache stats, step report) when the call ends, after its last outputs.
+- ("done", n, cache stats, step report, profile) when the call ends, after its last outputs
+  (profile: None, or ("ok", the records' file) or ("error", why they were not written)).
 - ("error", kind, message): kind "batchgen" or "value" (the user's to fix; the server goes
   on), else "internal" (the server has printed its traceback and exits).
 """

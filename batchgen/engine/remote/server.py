@@ -77,6 +77,10 @@ class Feed:
     def stopped(self) -> bool:
         return self._stopped >= self.call_id
 
+    def depth(self) -> int:
+        """Rows that came and wait for the engine to take them (a profile's tokenizer gauge)."""
+        return len(self._rows)
+
     def take(self, wait: float) -> tuple | object | None:
         """The next row of this call, _END when it has no more, None if none came within
         `wait` seconds."""
@@ -256,13 +260,19 @@ def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = 
 
 def _generate(
     engine: Any, hook: Any, feed: Feed, answers: IO[bytes], call_id: int, params: Any,
-    decode: bool, check_outputs: bool,
+    decode: bool, check_outputs: bool, profile: tuple[str, str] | None,
 ) -> None:  # fmt: skip
     feed.begin(call_id)
     current = Call(engine, feed, answers, call_id)
     if hook is not None:
         hook.open()
     started = time.perf_counter()
+    recorder = failed = None
+    if profile is not None:
+        try:
+            recorder = _start_recorder(engine, feed, *profile)
+        except Exception as exc:
+            failed = f"{type(exc).__name__}: {exc}"
     try:
         for out in engine.generate(
             current.prompts(), params, decode=decode, stop=current, check_outputs=check_outputs
@@ -271,11 +281,33 @@ def _generate(
         current.flush()
     except BaseException as exc:
         _report(answers, exc)
+    profiled = None if profile is None else _stop_recorder(recorder, failed)
     report = None
     if hook is not None:
         hook.close()
         report = hook.report(time.perf_counter() - started)
-    send(answers, ("done", call_id, engine.cache_stats, report))
+    send(answers, ("done", call_id, engine.cache_stats, report, profiled))
+
+
+def _start_recorder(engine: Any, feed: Feed, path: str, run: str) -> Any:
+    """The call's step recorder (profile/recorder.py), writing to `path`. Its tokenizer gauge
+    counts the rows that came and wait here; the writer is the job's, out of sight (no gauge)."""
+    from batchgen.io.fs import as_path
+    from batchgen.profile.recorder import Gauges, StepRecorder
+
+    gauges = Gauges(feed.depth, lambda: -1)
+    return StepRecorder(engine, as_path(path), run, gauges).attach()
+
+
+def _stop_recorder(recorder: Any, failed: str | None) -> tuple[str, str]:
+    """Write the records -> ("ok", their file) or ("error", why): the rows are what the job
+    is for, so a profile that fails is reported, not raised."""
+    if recorder is None:
+        return ("error", failed or "the step recorder did not start")
+    try:
+        return ("ok", str(recorder.close()))
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
 
 
 def _report(answers: IO[bytes], exc: BaseException) -> None:
