@@ -90,13 +90,15 @@ def test_a_profiled_gpu_job_has_event_times_and_synchronization(model_dir, tmp_p
         "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=8,
     )  # fmt: skip
-    for overlap in ("true", "false"):
-        out = tmp_path / f"out-{overlap}"
+    # the engine in its own process (the default on a GPU: it records its steps there), and
+    # once in the job's process
+    for overlap, place in (("true", "auto"), ("false", "auto"), ("true", "thread")):
+        out = tmp_path / f"out-{overlap}-{place}"
         spec = spec_for(
             model, inp, out, "runtime.device='cuda'", "runtime.dtype='float32'",
             "runtime.profile=true",
             "runtime.num_kv_blocks=512", "sampling.max_new_tokens=24", "sampling.ignore_eos=true",
-            f"runtime.overlap={overlap}",
+            f"runtime.overlap={overlap}", f"runtime.engine_process='{place}'",
         )  # fmt: skip
         result = run_job(spec)
         info, records = read_records(Path(result.profile_file))
@@ -109,5 +111,6 @@ def test_a_profiled_gpu_job_has_event_times_and_synchronization(model_dir, tmp_p
         idle = report.result.wall_ms - report.result.busy_ms
         assert sum(ms for ms, _ in totals.values()) == pytest.approx(idle, abs=1e-3)
         assert set(totals) == set(CAUSES)
-        causes[overlap] = totals
-    assert causes["false"][SYNCHRONIZATION][1] > 0  # the synchronous loop waits on each step
+        assert ("engine_process" in result.summary.startup_s) == (place == "auto")
+        causes[overlap, place] = totals
+    assert causes["false", "auto"][SYNCHRONIZATION][1] > 0  # the synchronous loop waits
