@@ -50,6 +50,7 @@ REQUEST_FLOATS: dict[str, Callable[[SamplingParams], float]] = {
 }
 SAMPLE_INTS = (*STEP_INTS, *REQUEST_INTS)
 SAMPLE_FLOATS = tuple(REQUEST_FLOATS)
+SAMPLE_COLUMNS = (*SAMPLE_INTS, *SAMPLE_FLOATS)  # the [S] columns, in buffer order
 # variable-length tail: (name, rows, width)
 TAIL_SEGMENTS = (
     ("updates", "U", 3),  # (slot, column, block) block-table entries new this step
@@ -92,26 +93,23 @@ class Layout(NamedTuple):
 
     def model_offset(self, name: str) -> int:
         """Where the model segment `name` starts in the buffer."""
-        offset = 0
-        for segment, rows in MODEL_SEGMENTS:
-            if segment == name:
-                return offset
-            offset += self.rows(rows)
-        raise KeyError(name)
+        names = [segment for segment, _ in MODEL_SEGMENTS]
+        return sum(self.model_sizes[: names.index(name)])
 
     def sample_offset(self, name: str) -> int:
         """Where the per-sampled-row column `name` (SAMPLE_INTS or SAMPLE_FLOATS) starts."""
-        return self.fixed_size + self.S * (*SAMPLE_INTS, *SAMPLE_FLOATS).index(name)
+        return self.fixed_size + self.S * SAMPLE_COLUMNS.index(name)
 
     @property
     def tail_offset(self) -> int:
         """Where the variable-length tail (TAIL_SEGMENTS) starts."""
-        return self.fixed_size + self.S * (len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
+        return self.fixed_size + self.S * len(SAMPLE_COLUMNS)
 
     @property
     def sampling_sizes(self) -> list[int]:
-        columns = [self.S] * (len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
-        return columns + [self.rows(rows) * width for _, rows, width in TAIL_SEGMENTS]
+        return [self.S] * len(SAMPLE_COLUMNS) + [
+            self.rows(rows) * width for _, rows, width in TAIL_SEGMENTS
+        ]
 
     @property
     def size(self) -> int:
@@ -121,7 +119,7 @@ class Layout(NamedTuple):
 DeviceStep = NamedTuple("DeviceStep", [(name, torch.Tensor) for name, _ in MODEL_SEGMENTS])
 SamplingInputs = NamedTuple(
     "SamplingInputs",
-    [(name, torch.Tensor) for name in (*SAMPLE_INTS, *SAMPLE_FLOATS)]
+    [(name, torch.Tensor) for name in SAMPLE_COLUMNS]
     + [(name, torch.Tensor) for name, _, _ in TAIL_SEGMENTS],
 )
 SamplingInputs.__doc__ = """Views of the sampling part: [S] columns (float64 for the floats),
@@ -136,10 +134,10 @@ def unpack_step(flat: torch.Tensor, layout: Layout) -> Any:
 def unpack_sampling(flat: torch.Tensor, layout: Layout) -> Any:
     """SamplingInputs views of the sampling part of a device buffer (no copies)."""
     parts = list(torch.split(flat[layout.fixed_size : layout.size], layout.sampling_sizes))
-    floats = range(len(SAMPLE_INTS), len(SAMPLE_INTS) + len(SAMPLE_FLOATS))
+    floats = range(len(SAMPLE_INTS), len(SAMPLE_COLUMNS))
     for i in floats:
         parts[i] = parts[i].view(torch.float64)
-    first_tail = len(SAMPLE_INTS) + len(SAMPLE_FLOATS)
+    first_tail = len(SAMPLE_COLUMNS)
     for i, (_, _, width) in enumerate(TAIL_SEGMENTS, start=first_tail):
         if width > 1:
             parts[i] = parts[i].view(-1, width)
