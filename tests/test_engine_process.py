@@ -26,6 +26,8 @@ from batchgen.engine.remote.client import (
     waited_phases,
 )
 from batchgen.engine.remote.placement import kept_cores, off_cores
+from batchgen.engine.remote.protocol import pack_prompt, unpack_prompt
+from batchgen.engine.request import VocabChecked
 from batchgen.job import run_job
 from batchgen.spec import PipelineConfig, load_spec
 
@@ -55,6 +57,7 @@ def _prompts() -> list:
         Prompt([1, 2, 3], None, None, "seed-key"),
         [],
         [10**12],
+        [-3, 4],
         [1.5, 2.5],
     ]
 
@@ -273,6 +276,26 @@ def _pipe_limit() -> int:
 
 
 @pytest.mark.skipif(not _pipe_limit(), reason="pipe capacities are Linux's")
+def test_prompt_ids_the_jobs_process_checked_skip_the_engine_threads_check(model: Path):
+    """Ids all inside the engine's vocabulary travel marked, and the engine takes them as
+    they are; anything else, and ids marked for another vocabulary, the engine checks."""
+    assert unpack_prompt(pack_prompt([5, 6, 7], "a", 100)[0]) == (Prompt([5, 6, 7], "a"), True)
+    marked = unpack_prompt(pack_prompt(Prompt([5, 6, 7], "b", {"n": 2}), "0", 100)[0])[0]
+    assert type(marked.prompt) is VocabChecked and marked.prompt.vocab == 100
+    for prompt, vocab in (([5, 100], 100), ([-1, 5], 100), ([], 100), ([5, 6], None)):
+        row = pack_prompt(prompt, "c", vocab)[0]
+        assert row[-1] is None and type(unpack_prompt(row)[0].prompt) is list, prompt
+    assert pack_prompt(["x"], "d", 100)[0][1] == ["x"]  # not token ids: sent as they are
+    params = SamplingParams(max_new_tokens=3)
+    with Engine(str(model), CPU) as engine:
+        vocab = engine.shape.vocab_size
+        prompts = [VocabChecked([5, 6, 7], vocab), [5, 6, 7], VocabChecked([vocab + 1], vocab + 9)]
+        outs = {o.request_id: o for o in engine.generate(prompts, params)}
+    assert outs["0"].output_token_ids == outs["1"].output_token_ids != []
+    assert type(outs["0"].prompt_token_ids) is list
+    assert outs["2"].finish_reason == "error" and "outside the vocabulary" in outs["2"].error
+
+
 def test_the_servers_pipes_hold_a_wave_of_results() -> None:
     """A wave of 256 rows x 256 tokens (~300 KB pickled) goes into the pipe in one write, not
     in steps the job's reader must drain while the engine thread waits."""

@@ -37,7 +37,16 @@ from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
 from batchgen.engine.probe import check_model
 from batchgen.engine.quant.convert import check_adopted
-from batchgen.engine.request import NOT_READY, Prompt, Request, RequestOutput, Status, TokenLogprobs
+from batchgen.engine.request import (
+    NOT_READY,
+    Prompt,
+    Request,
+    RequestOutput,
+    Status,
+    TokenLogprobs,
+    VocabChecked,
+    outside_vocab,
+)
 from batchgen.engine.runner import ModelRunner, plan_num_blocks
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
@@ -558,6 +567,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("text prompt but the engine has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt).input_ids)
+        vocab = self.shape.vocab_size
+        if type(prompt) is VocabChecked and prompt.vocab == vocab and prompt:
+            return list(prompt)  # checked off this thread
         ids = _int64s(prompt)  # checked in C: a long prompt costs microseconds, not a millisecond
         if ids is None:
             raise ValueError(
@@ -565,11 +577,11 @@ class Engine:
             )
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.shape.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
+        checked = ids.tolist()  # min/max over a list's ints: about twice as fast as an array's
+        bad = outside_vocab(checked, vocab)
+        if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return ids.tolist()
+        return checked
 
     def _derived_seed(self, key: str) -> int:
         digest = hashlib.blake2b(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -121,6 +122,25 @@ class Prompt(NamedTuple):
     request_id: str | None = None
     sampling: SamplingParams | dict[str, Any] | None = None  # a dict overrides the call's params
     seed_key: str | None = None
+
+
+class VocabChecked(list):
+    """Prompt ids found inside [0, vocab) before they reached the engine's thread (an
+    EngineProcess checks them in the job's process): the engine takes them without looking
+    at each id again, for that vocabulary only."""
+
+    __slots__ = ("vocab",)
+
+    def __init__(self, ids: Iterable[int], vocab: int) -> None:
+        super().__init__(ids)
+        self.vocab = vocab
+
+
+def outside_vocab(ids: Sequence[int], vocab: int) -> int | None:
+    """The first of (non-empty) ids outside [0, vocab), None when every one is inside."""
+    if min(ids) >= 0 and max(ids) < vocab:
+        return None
+    return next(t for t in ids if not 0 <= t < vocab)
 
 
 class RequestOutput(NamedTuple):

@@ -277,6 +277,7 @@ class EngineProcess:
         self.dtype = getattr(torch, facts["dtype"])
         self.max_model_len: int = facts["max_model_len"]
         self.num_blocks: int = facts["num_blocks"]
+        self.vocab_size: int = facts["vocab_size"]  # prompt ids are checked against it here
         self.config = dataclasses.replace(self.config, block_size=facts["block_size"])
         self.fingerprint = facts["fingerprint"]
         self.engine_startup_s = {"process": facts["process_s"], **facts["startup_s"]}
@@ -319,7 +320,7 @@ class EngineProcess:
                         starved = True
                         break
                     else:
-                        row, ids = pack_prompt(item, str(sent + len(rows)))
+                        row, ids = pack_prompt(item, str(sent + len(rows)), self.vocab_size)
                         self._pending[row[0]] = ids
                         rows.append(row)
                 if rows:

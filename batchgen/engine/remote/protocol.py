@@ -7,7 +7,9 @@ To the engine (the server's stdin):
   profile) (profile: None, or (path, run) to record the call's steps there), then
   ("prompts", n, rows) as prompts become ready, and ("end", n) once there are no more or
   ("stop", n) to stop after the step in flight. A row is (request id, the prompt
-  ids as int64 bytes or the prompt itself, sampling, seed key).
+  ids as int64 bytes or the prompt itself, sampling, seed key, vocab): vocab is the
+  engine's vocabulary size when the job's process found every id inside it (the engine's
+  thread then skips that check), else None.
 - between calls: ("grammar", params) and ("clear_cache",), answered ("ok",) or an error;
   ("close",).
 
@@ -34,7 +36,9 @@ if TYPE_CHECKING:  # the job's side imports this before torch (request.py import
 
 PICKLE = pickle.HIGHEST_PROTOCOL
 FRAME = struct.Struct("<Q")  # the byte length of the pickle that follows
-Row = tuple[str, Any, Any, Any]  # (request id, ids as bytes or the prompt, sampling, seed key)
+# (request id, ids as bytes or the prompt, sampling, seed key, the vocabulary size the ids
+# were found inside or None)
+Row = tuple[str, Any, Any, Any, int | None]
 
 
 def send(pipe: IO[bytes], message: tuple) -> None:
@@ -56,28 +60,32 @@ def receive(pipe: IO[bytes]) -> tuple:
     return pickle.loads(data)
 
 
-def pack_prompt(prompt: Any, default_id: str) -> tuple[Row, list[int] | None]:
-    """-> (the row to send, the prompt's ids when they travel as bytes, else None)."""
-    from batchgen.engine.request import Prompt
+def pack_prompt(prompt: Any, default_id: str, vocab: int | None) -> tuple[Row, list[int] | None]:
+    """-> (the row to send, the prompt's ids when they travel as bytes, else None). Ids all
+    inside [0, vocab) are marked so (the engine's thread then skips that check); the
+    engine finds anything else wrong with them itself."""
+    from batchgen.engine.request import Prompt, outside_vocab
 
     if not isinstance(prompt, Prompt):
         prompt = Prompt(prompt)
     request_id = default_id if prompt.request_id is None else str(prompt.request_id)
-    body, ids = prompt.prompt, None
+    body, ids, checked = prompt.prompt, None, None
     if isinstance(body, list):
         with contextlib.suppress(TypeError, OverflowError):  # not int64s: the engine says why
             body, ids = array("q", body).tobytes(), body
-    return (request_id, body, prompt.sampling, prompt.seed_key), ids
+    if ids and vocab is not None and outside_vocab(ids, vocab) is None:
+        checked = vocab
+    return (request_id, body, prompt.sampling, prompt.seed_key, checked), ids
 
 
 def unpack_prompt(row: Row) -> tuple[Prompt, bool]:
     """A sent row -> (its Prompt, whether its ids travelled as bytes)."""
-    from batchgen.engine.request import Prompt
+    from batchgen.engine.request import Prompt, VocabChecked
 
-    request_id, body, sampling, seed_key = row
+    request_id, body, sampling, seed_key, checked = row
     packed = isinstance(body, bytes)
     if packed:
         ids = array("q")
         ids.frombytes(body)
-        body = ids.tolist()
+        body = ids.tolist() if checked is None else VocabChecked(ids.tolist(), checked)
     return Prompt(body, request_id, sampling, seed_key), packed

@@ -347,6 +347,7 @@ def _facts(engine: Any) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.num_blocks,
+        "vocab_size": engine.shape.vocab_size,
         "block_size": engine.config.block_size,  # resolved where the config left it unset
         "fingerprint": engine.fingerprint,
         "startup_s": engine.startup_s,
