@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 import os
 import random
 import sysconfig
@@ -157,6 +158,12 @@ def run_paths(
             results.append(_job(engine, work, params, name, settings))
         engine.close()
         del engine
+        # as in a `batchgen run` process (process_start.py), what lives on is kept out of the
+        # collector's sight; else the close() above hands torch's and transformers' objects
+        # back to it, and a full collection (0.2-0.3 s, every thread of this process stopped)
+        # falls somewhere in the timed job (at its start, it holds back the first prompts)
+        gc.collect()
+        gc.freeze()
         cpus = kept_cores(None, os.sched_getaffinity(0))  # as `batchgen run` keeps them
         served = EngineProcess(str(folder), config, quiet=True, step_hook=TIMELINE, cpus=cpus)
         keep_process_off(cpus)  # this process too, its pools started earlier included
