@@ -569,7 +569,7 @@ class Engine:
             return list(self.tokenizer(prompt).input_ids)
         vocab = self.shape.vocab_size
         if type(prompt) is VocabChecked and prompt.vocab == vocab and prompt:
-            return list(prompt)  # checked off this thread
+            return list(prompt)  # found inside this vocabulary already (remote/protocol.py)
         ids = _int64s(prompt)  # checked in C: a long prompt costs microseconds, not a millisecond
         if ids is None:
             raise ValueError(
