@@ -16,7 +16,8 @@ from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine.attention import hf_adapter
 from tests.families import FAMILIES, VOCAB, build_family_model
 
-# families whose layers batchgen cannot run exactly, and the reason each is refused for
+# families whose layers batchgen cannot run exactly (with some transformers release, at
+# least), and the reason each is refused for
 REFUSED = {
     "mpt": "do not hand attention to transformers' attention interface",
     "bloom": "do not hand attention to transformers' attention interface",
@@ -57,14 +58,16 @@ def engine_config(**overrides) -> EngineConfig:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_runs_exactly_or_is_refused(family_dir, family: str) -> None:
     path = family_dir(family)
-    if family in REFUSED:
-        with pytest.raises(BatchgenError) as info:
-            Engine(path, engine_config())
-        message = str(info.value)
+    try:
+        engine = Engine(path, engine_config())
+    except BatchgenError as exc:
+        message = str(exc)
+        assert family in REFUSED, message
         assert "\n" not in message and f"cannot run {family.split('-')[0]} models" in message
         assert REFUSED[family] in message, message
         return
-    engine = Engine(path, engine_config())
+    # a family refused with one transformers release may run with another (falcon's layers
+    # call the attention interface from 5.25 on): then it runs exactly like any other
     prompts = probe_prompts()
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
