@@ -79,6 +79,32 @@ def test_invalid_engine_config_names_the_field() -> None:
         SamplingParams(max_new_tokens=0)
 
 
+def test_an_unset_token_budget_follows_the_device(monkeypatch) -> None:
+    """Unset, a step's token budget is 16,384 on a GPU of 70 GiB or more other than an A100,
+    8,192 elsewhere, and never below max_num_seqs; a budget that is set is kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.engine import device as engine_device
+
+    cuda, cpu, gib = torch.device("cuda"), torch.device("cpu"), 1024**3
+    gpus = {"NVIDIA H200": 140 * gib, "NVIDIA A100-SXM4-80GB": 80 * gib, "NVIDIA L4": 24 * gib}
+    gpu = ["NVIDIA H200"]
+    props = lambda device: SimpleNamespace(name=gpu[0], total_memory=gpus[gpu[0]])  # noqa: E731
+    monkeypatch.setattr(engine_device.torch.cuda, "get_device_properties", props)
+    budget = engine_device.token_budget
+    assert budget(EngineConfig(), cuda) == 16384
+    assert budget(EngineConfig(max_num_batched_tokens=4096), cuda) == 4096
+    assert budget(EngineConfig(), cpu) == 8192
+    assert budget(EngineConfig(max_num_seqs=10000), cpu) == 10000
+    for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA L4"):
+        gpu[0] = name
+        assert budget(EngineConfig(), cuda) == 8192, name
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
 def test_kv_cache_too_small_for_one_request(model_dir) -> None:
     path = model_dir("llama", max_position_embeddings=64)
     with pytest.raises(BatchgenError, match="KV cache fits"):

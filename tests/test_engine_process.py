@@ -82,8 +82,9 @@ def test_results_match_the_engine_in_this_process(model: Path, served: EnginePro
     assert served.cache_stats.prompt_tokens > 0
     assert served.max_model_len == engine.max_model_len
     assert served.dtype == engine.dtype and served.fingerprint == engine.fingerprint
-    assert served.config == engine.config  # the block size as the engine resolved it
+    assert served.config == engine.config  # block size and token budget as it resolved them
     assert served.config.block_size == engine.config.block_size == 16
+    assert served.config.max_num_batched_tokens == engine.config.max_num_batched_tokens == 8192
 
 
 def test_a_call_stopped_or_left_early_lets_the_next_one_run(served: EngineProcess) -> None:

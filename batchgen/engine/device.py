@@ -22,3 +22,21 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+SMALL_BUDGET, LARGE_BUDGET = 8192, 16384  # tokens per step (EngineConfig.max_num_batched_tokens)
+LARGE_GPU_BYTES = 70 * 1024**3
+
+
+def token_budget(config: EngineConfig, device: torch.device) -> int:
+    """Tokens per step: config.max_num_batched_tokens, or where it is unset LARGE_BUDGET on a
+    GPU of LARGE_GPU_BYTES or more other than an A100 (vLLM measured the larger budget slower
+    there), else SMALL_BUDGET; never below max_num_seqs."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = SMALL_BUDGET
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= LARGE_GPU_BYTES and "A100" not in props.name.upper():
+            budget = LARGE_BUDGET
+    return max(budget, config.max_num_seqs)

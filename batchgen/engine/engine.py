@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.device import resolve_device, resolve_dtype
+from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
 from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
@@ -117,8 +117,11 @@ class Engine:
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
-        block_size = kv_block_size(self.config, self.kv_dtype, self.device)
-        self.config = dataclasses.replace(self.config, block_size=block_size)
+        self.config = dataclasses.replace(
+            self.config,
+            block_size=kv_block_size(self.config, self.kv_dtype, self.device),
+            max_num_batched_tokens=token_budget(self.config, self.device),
+        )
         self.num_blocks = plan_num_blocks(
             self.config, self.shape, self.kv_dtype, self.device, self.max_model_len
         )

@@ -278,7 +278,8 @@ class EngineProcess:
         self.max_model_len: int = facts["max_model_len"]
         self.num_blocks: int = facts["num_blocks"]
         self.vocab_size: int = facts["vocab_size"]  # prompt ids are checked against it here
-        self.config = dataclasses.replace(self.config, block_size=facts["block_size"])
+        resolved = {k: facts[k] for k in ("block_size", "max_num_batched_tokens")}
+        self.config = dataclasses.replace(self.config, **resolved)
         self.fingerprint = facts["fingerprint"]
         self.engine_startup_s = {"process": facts["process_s"], **facts["startup_s"]}
         self.startup_s = waited_phases(asked, time.monotonic(), facts["began_at"],

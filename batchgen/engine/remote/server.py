@@ -348,7 +348,9 @@ def _facts(engine: Any) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.num_blocks,
         "vocab_size": engine.shape.vocab_size,
-        "block_size": engine.config.block_size,  # resolved where the config left it unset
+        # resolved where the config left them unset
+        "block_size": engine.config.block_size,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "fingerprint": engine.fingerprint,
         "startup_s": engine.startup_s,
     }
