@@ -694,3 +694,15 @@ def test_fused_layers_generate_what_the_model_does(family: str, backend: str, tm
         fusion.off()
         own = engine.model(input_ids=ids, use_cache=False).logits
     assert _rel(outside, own) <= FP32_TOL
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons() -> None:
+    """The launch wrappers' plain-Python grid helpers give what Triton's (constexpr functions,
+    ~2 us per call from host code) give, for every value the wrappers can pass."""
+    from batchgen.engine.kernels.launch import cdiv, next_power_of_2
+
+    for n in [*range(0, 4200), 2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1, 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 600):
+        for b in (1, 2, 3, 7, 8, 16, 63, 64, 128, 1024):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import cdiv, launch
 
 
 class GemmConfig(NamedTuple):
@@ -67,7 +67,7 @@ def gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig | None:
         config = GemmConfig(16 if m <= 16 else 32, 64, 128, 4, 4)
     else:
         config = GemmConfig(64, 64, 256, 4, 3)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     if m > 64 and tiles > FULL_GPU_TILES_PER_SM * sms:
         return None
     split = 1
@@ -166,10 +166,10 @@ def fp8_gemm(
     if m == 0:
         return out
     split = config.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty split
+    k_per_split = cdiv(cdiv(k, split), config.block_k) * config.block_k
+    split = cdiv(k, k_per_split)  # no empty split
     dest = out if split == 1 else torch.empty(split, m, n, device=xq.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
+    grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), split)
     launch(_fp8_gemm_kernel, grid,
         xq, weight, xs, scale, dest, m, n, k, k_per_split,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GM=GROUP_M,
@@ -180,7 +180,7 @@ def fp8_gemm(
         block = 1024
         launch(
             _sum_splits_kernel,
-            (triton.cdiv(m * n, block),),
+            (cdiv(m * n, block),),
             dest,
             out,
             m * n,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import launch, next_power_of_2
 
 MAX_BLOCK_K = 4096  # columns per loop iteration; wider rows loop
 
@@ -70,6 +70,6 @@ def launch_quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
         q.stride(0),
         FP8_MAX=FP8_MAX,
         MIN_SCALE=MIN_SCALE,
-        BLOCK_K=min(triton.next_power_of_2(k), MAX_BLOCK_K),
+        BLOCK_K=min(next_power_of_2(k), MAX_BLOCK_K),
         num_warps=4,
     )

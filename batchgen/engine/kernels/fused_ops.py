@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def launch_rms_norm(
             rows, weight, out, rows if q is None else q, rows if scale is None else scale,
             residual if add else rows, total if add else rows, rows.stride(0), out.stride(0),
             residual.stride(0) if add else 0, total.stride(0) if add else 0, rows.shape[1], eps,
-            BLOCK=triton.next_power_of_2(rows.shape[1]), QUANT=q is not None, ADD=add,
+            BLOCK=next_power_of_2(rows.shape[1]), QUANT=q is not None, ADD=add,
             **_fp8_consts(),
         )  # fmt: skip
 
@@ -168,7 +168,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     block = 1024
     if n:
-        launch(_silu_mul_kernel, (triton.cdiv(n, block),), gate, up, out, n, BLOCK=block)
+        launch(_silu_mul_kernel, (cdiv(n, block),), gate, up, out, n, BLOCK=block)
     return out
 
 
@@ -213,7 +213,7 @@ def silu_mul_merged(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tens
     if rows.shape[0]:
         launch(
             _silu_mul_merged_kernel,
-            (rows.shape[0], triton.cdiv(half, block)),
+            (rows.shape[0], cdiv(half, block)),
             rows,
             out,
             rows.stride(0),
@@ -304,7 +304,7 @@ def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows(gate_up)
     half = rows.shape[1] // 2
     q, scale = _fp8_buffers(rows[:, :half], True)
-    block = triton.next_power_of_2(half)
+    block = next_power_of_2(half)
     if block > ROW_IN_REGISTERS:
         launch_silu_mul_quant(rows, torch.empty_like(q, dtype=gate_up.dtype), q, scale)
     elif rows.shape[0]:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import launch, next_power_of_2
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -109,8 +109,8 @@ def write_kv(
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         SATURATE=k_cache.dtype == FP8_DTYPE,
         FP8_MAX=FP8_MAX,
         SCALED=k_cache.dtype == FP8_DTYPE and kv_scales is not None,

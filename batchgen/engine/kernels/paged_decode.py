@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # tl.dot operands need >= 16 rows; a GQA group is padded up to this
@@ -376,9 +376,9 @@ def paged_decode(
         part, lse, context_lens, sink_ptr, out, *masks, min_partition, num_splits,
         *out.stride()[:2],
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=next_power_of_2(num_splits),
         HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
@@ -450,8 +450,8 @@ def _decode_consts(
     return {
         "GROUP": group,
         "HEAD_DIM": q.shape[2],
-        "BLOCK_G": max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        "BLOCK_D": triton.next_power_of_2(q.shape[2]),
+        "BLOCK_G": max(MIN_DOT_ROWS, next_power_of_2(group)),
+        "BLOCK_D": next_power_of_2(q.shape[2]),
         "BLOCK_N": block_n,
         "BLOCK_SIZE": k_cache.shape[1],
         "DIRECT": num_splits == 1,

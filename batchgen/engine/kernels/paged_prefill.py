@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import launch, next_power_of_2
 from batchgen.engine.kernels.paged_decode import (
     LOG2E,
     NO_WINDOW,
@@ -187,7 +187,7 @@ def paged_prefill(
         *q.stride()[:2], *k_cache.stride()[:3], *block_tables.stride(), *out.stride()[:2],
         GROUP=num_heads // k_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1],

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from batchgen.engine.kernels.kv_write import fp8_stored
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import cdiv, launch, next_power_of_2
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -169,13 +169,13 @@ def _launch(
     tokens, q_heads, dim = q.shape
     v, v_dst, slots = values if values is not None else (k, k_dst, k)  # unread without CACHE
     cos2, sin2 = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    blocks = triton.cdiv(q_heads, ROPE_BLOCK_H) + triton.cdiv(k.shape[1], ROPE_BLOCK_H)
+    blocks = cdiv(q_heads, ROPE_BLOCK_H) + cdiv(k.shape[1], ROPE_BLOCK_H)
     launch(_rope_kernel, (tokens, blocks),
         q, k, v, cos2, sin2, q_out, k_dst, v_dst, slots, slots if kv_scales is None else kv_scales,
         *q.stride()[:2], *k.stride()[:2],
         *v.stride()[:2], cos2.stride(0), *q_out.stride()[:2], *k_dst.stride()[:3], q_heads,
-        k.shape[1], HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
-        BLOCK_H=ROPE_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim), CACHE=values is not None,
+        k.shape[1], HALF=dim // 2, BLOCK=next_power_of_2(dim // 2),
+        BLOCK_H=ROPE_BLOCK_H, BLOCK_D=next_power_of_2(dim), CACHE=values is not None,
         BLOCK_SIZE=k_dst.shape[1], SATURATE=k_dst.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX,
         SCALED=k_dst.dtype == FP8_DTYPE and kv_scales is not None,
     )  # fmt: skip

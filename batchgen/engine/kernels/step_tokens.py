@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.launch import launch
+from batchgen.engine.kernels.launch import cdiv, launch
 
 BLOCK = 256  # tokens per program
 
@@ -80,7 +80,7 @@ def step_tokens(
     cu = torch.empty(b + 1, dtype=torch.int32, device=device)
     ctx = torch.empty(b, dtype=torch.int32, device=device)
     launch(
-        _step_tokens_kernel, (triton.cdiv(max(t, b + 1), BLOCK),),
+        _step_tokens_kernel, (cdiv(max(t, b + 1), BLOCK),),
         step.ids, step.relay_src, step.positions, step.seq_idx, step.seq_slots, step.cu_seqlens,
         step.context_lens, relay, block_tables, ids, slots, cu, ctx, t, b,
         block_tables.stride(0), BLOCK_SIZE=block_size, BLOCK=BLOCK,
