@@ -182,3 +182,28 @@ def _random_request(rng, name: str, choices: list[SamplingParams]) -> Request:
     key = int(name.rsplit("-", 1)[1])
     params = rng.choice(choices)
     return Request(name, prompt, params, 0, len(prompt) + new_tokens, frozenset({1}), rng_key=key)
+
+
+def test_prefill_chunks_pack_their_tokens_positions_and_rows() -> None:
+    """Chunks of long prompts (positions past any table the packer keeps) and a relayed
+    token: each token's id, position, row and relay source, as the per-token segments hold."""
+    from batchgen.engine.scheduler import Batch, ScheduledChunk
+
+    long = Request("long", [7 + i % 50 for i in range(9000)], SamplingParams(), 0, 10**5,
+                   frozenset({1}))  # fmt: skip
+    short = Request("short", list(range(3, 40)), SamplingParams(), 0, 100, frozenset({1}))
+    short.output_token_ids, short.num_pending = [11, 12], 1  # the newest token is relayed
+    long.slot, short.slot = 0, 1
+    chunks = [
+        ScheduledChunk(short, 30, 10, True, True),  # prompt 30..36, outputs 11 12, relayed
+        ScheduledChunk(long, 4000, 4200, False, False),
+        ScheduledChunk(long, 8700, 300, True, False),  # (not a real schedule: packing only)
+    ]
+    host, flat = prepare_step(Batch(chunks, 4510))
+    step = unpack_step(flat, host.layout)
+    assert step.ids.tolist() == [*range(33, 40), 11, 12, 0, *long.prompt_token_ids[4000:8200],
+                                 *long.prompt_token_ids[8700:9000]]  # fmt: skip
+    assert step.positions.tolist() == [*range(30, 40), *range(4000, 8200), *range(8700, 9000)]
+    assert step.seq_idx.tolist() == [0] * 10 + [1] * 4200 + [2] * 300
+    assert step.relay_src.tolist() == [-1] * 9 + [1] + [-1] * 4500
+    assert host.cu_seqlens == [0, 10, 4210, 4510] and host.context_lens == [40, 8200, 9000]

@@ -61,12 +61,26 @@ class HostStep(NamedTuple):
     synced: list[tuple[Request, int]]  # (request, block-table entries now on the device)
 
 
+_MINUS_ONE, _ZERO = array("q", (-1,)), array("q", (0,))
+_PER_TOKEN = tuple(name for name, rows in MODEL_SEGMENTS if rows == "T")
+_POSITIONS = array("q", range(4096))  # positions [a, b) of a chunk: a slice (grown on demand)
+
+
+def _positions(start: int, end: int) -> array:
+    global _POSITIONS
+    if end > len(_POSITIONS):
+        _POSITIONS = array("q", range(max(end, 2 * len(_POSITIONS))))
+    return _POSITIONS[start:end]
+
+
 class _Lists:
-    """Python lists of one step's metadata, named as the layout's segments."""
+    """One step's metadata, named as the layout's segments: an int64 array per per-token
+    segment (a prefill chunk's tokens go in by slices and repeats, not one Python int each),
+    Python lists for the rest."""
 
     def __init__(self) -> None:
         for name, _ in MODEL_SEGMENTS:
-            setattr(self, name, [])
+            setattr(self, name, array("q") if name in _PER_TOKEN else [])
         for name, _, _ in TAIL_SEGMENTS:
             setattr(self, name, [])
         self.cu_seqlens = [0]
@@ -106,7 +120,11 @@ def prepare_step(
     # array.array packs Python ints ~10x faster than torch.tensor(list)
     ints = array("q")
     for name, _ in MODEL_SEGMENTS:  # fromlist: 2.5x faster than from an iterator
-        ints.fromlist(getattr(L, name))
+        segment = getattr(L, name)
+        if name in _PER_TOKEN:
+            ints.extend(segment)  # an array: one copy
+        else:
+            ints.fromlist(segment)
     ints.extend(chain.from_iterable((*zip(*L.samples, strict=True), *int_cols)))
     ints.frombytes(array("d", chain.from_iterable(float_cols)).tobytes())  # float64 bits
     ints.extend(chain.from_iterable(getattr(L, name) for name, _, _ in TAIL_SEGMENTS))
@@ -256,10 +274,10 @@ def _add_plain_decodes(L: _Lists, first: int, chunks: list[ScheduledChunk]) -> N
     starts = [c.start for c in chunks]
     ends = [s + 1 for s in starts]
     constants = [r.sampling_constants for r in requests]
-    L.ids.extend([0] * k)
-    L.relay_src.extend(slots)
-    L.positions.extend(starts)
-    L.seq_idx.extend(range(first, first + k))
+    L.ids.extend(_ZERO * k)
+    L.relay_src.fromlist(slots)
+    L.positions.fromlist(starts)
+    L.seq_idx.extend(_positions(first, first + k))
     L.cu_seqlens.extend(range(token + 1, token + k + 1))
     L.context_lens.extend(ends)
     L.seq_slots.extend(slots)
@@ -279,13 +297,13 @@ def _add_chunk(L: _Lists, i: int, chunk: ScheduledChunk) -> None:
         L.seq_idx.append(i)
     else:
         known_end = end - 1 if chunk.relay_last else end
-        L.ids.extend(_token_slice(r.prompt_token_ids, r.output_token_ids, start, known_end))
-        L.relay_src.extend([-1] * (known_end - start))
+        L.ids.fromlist(_token_slice(r.prompt_token_ids, r.output_token_ids, start, known_end))
+        L.relay_src.extend(_MINUS_ONE * (known_end - start))
         if chunk.relay_last:
             L.ids.append(0)
             L.relay_src.append(r.slot)
-        L.positions.extend(range(start, end))
-        L.seq_idx.extend([i] * n)
+        L.positions.extend(_positions(start, end))
+        L.seq_idx.extend(array("q", (i,)) * n)
     L.cu_seqlens.append(L.cu_seqlens[-1] + n)
     L.context_lens.append(end)
     L.seq_slots.append(r.slot)
