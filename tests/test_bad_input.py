@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
@@ -80,8 +82,9 @@ def test_invalid_engine_config_names_the_field() -> None:
 
 
 def test_an_unset_token_budget_follows_the_device(monkeypatch) -> None:
-    """Unset, a step's token budget is 16,384 on a GPU of 70 GiB or more other than an A100,
-    8,192 elsewhere, and never below max_num_seqs; a budget that is set is kept."""
+    """Unset, a step's token budget is 16,384 on a GPU of 70 GiB or more other than an A100
+    whose memory beside the weights and KV cache holds twice that step's activations, 8,192
+    elsewhere, and never below max_num_seqs; a budget that is set is kept."""
     from types import SimpleNamespace
 
     import torch
@@ -94,15 +97,33 @@ def test_an_unset_token_budget_follows_the_device(monkeypatch) -> None:
     props = lambda device: SimpleNamespace(name=gpu[0], total_memory=gpus[gpu[0]])  # noqa: E731
     monkeypatch.setattr(engine_device.torch.cuda, "get_device_properties", props)
     budget = engine_device.token_budget
-    assert budget(EngineConfig(), cuda) == 16384
-    assert budget(EngineConfig(max_num_batched_tokens=4096), cuda) == 4096
-    assert budget(EngineConfig(), cpu) == 8192
+    per_token = 120_000  # an 8b Llama's activations per token in bf16 (about)
+    room = 2 * 16384 * per_token  # twice a 16,384-token step's
+    assert budget(EngineConfig(), cuda, room, per_token) == 16384
+    assert budget(EngineConfig(), cuda, room - 1, per_token) == 8192  # a bigger model's
+    assert budget(EngineConfig(max_num_batched_tokens=4096), cuda, room, per_token) == 4096
+    assert budget(EngineConfig(), cpu, room, per_token) == 8192
     assert budget(EngineConfig(max_num_seqs=10000), cpu) == 10000
     for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA L4"):
         gpu[0] = name
-        assert budget(EngineConfig(), cuda) == 8192, name
+        assert budget(EngineConfig(), cuda, room, per_token) == 8192, name
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_activations_per_token_follow_the_config(model_dir) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    from batchgen.engine.model_loader import activation_bytes_per_token
+
+    config = AutoConfig.from_pretrained(model_dir("llama"))
+    model = SimpleNamespace(config=config)
+    expected = (4 * config.hidden_size + 3 * config.intermediate_size) * 2
+    assert activation_bytes_per_token(model, torch.bfloat16) == expected
+    config.moe_intermediate_size, config.num_experts_per_tok = config.intermediate_size, 8
+    hidden, routed = config.hidden_size, 8 * config.intermediate_size  # 8 experts per token
+    assert activation_bytes_per_token(model, torch.float32) == (4 * hidden + 3 * routed) * 4
 
 
 def test_kv_cache_too_small_for_one_request(model_dir) -> None:
@@ -121,3 +142,22 @@ def test_model_that_does_not_fit_is_a_clear_error(model_dir, monkeypatch) -> Non
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
     with pytest.raises(BatchgenError, match="does not fit on cpu"):
         Engine(model_dir("llama"), EngineConfig(device="cpu"))
+
+
+def test_spare_bytes_are_what_the_planned_cache_leaves(monkeypatch) -> None:
+    import torch
+
+    from batchgen.engine import runner
+    from batchgen.engine.attention import KVCache
+    from batchgen.engine.model_loader import ModelShape
+
+    gib, cuda = 1024**3, torch.device("cuda")
+    monkeypatch.setattr(runner.torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))
+    monkeypatch.setattr(runner.torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(runner.torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    shape = ModelShape(16, 32, 8, 64, 32000, 4096)
+    config = EngineConfig(block_size=16)
+    per_block = KVCache.bytes_per_block(16, 16, 8, 64, torch.bfloat16)
+    spare = runner.spare_bytes(config, shape, torch.bfloat16, cuda, 1000)
+    assert spare == 102 * gib - 1001 * per_block  # free + reserved-unused - cache (+ scratch)
+    assert runner.spare_bytes(config, shape, torch.bfloat16, torch.device("cpu"), 1000) == 0

@@ -32,8 +32,8 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 1.0  # KV cache size on the CPU device when num_kv_blocks is None
     max_num_seqs: int = 256  # cap on running requests
     # token budget of one step (decodes + prefill chunks); None = 16,384 on a GPU of 70 GiB or
-    # more other than an A100, else 8,192 (vLLM's offline defaults). On an H200 a 1b model's
-    # eager step takes about as long to launch as to run, whatever its token count
+    # more other than an A100 (vLLM's offline defaults) where the memory left beside the
+    # weights and KV cache holds twice such a step's estimated activations, else 8,192
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_chunked_prefill: bool = True

@@ -24,6 +24,7 @@ from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
 from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.model_loader import (
+    activation_bytes_per_token,
     adopt_model,
     eos_token_ids,
     kv_block_size,
@@ -47,7 +48,7 @@ from batchgen.engine.request import (
     VocabChecked,
     outside_vocab,
 )
-from batchgen.engine.runner import ModelRunner, plan_num_blocks
+from batchgen.engine.runner import ModelRunner, plan_num_blocks, spare_bytes
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Batch, Scheduler
 from batchgen.engine.step_profiler import StepProfiler
@@ -117,14 +118,16 @@ class Engine:
         limit = self.shape.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
-        self.config = dataclasses.replace(
-            self.config,
-            block_size=kv_block_size(self.config, self.kv_dtype, self.device),
-            max_num_batched_tokens=token_budget(self.config, self.device),
-        )
+        block_size = kv_block_size(self.config, self.kv_dtype, self.device)
+        self.config = dataclasses.replace(self.config, block_size=block_size)
         self.num_blocks = plan_num_blocks(
             self.config, self.shape, self.kv_dtype, self.device, self.max_model_len
         )
+        spare = spare_bytes(self.config, self.shape, self.kv_dtype, self.device, self.num_blocks)
+        budget = token_budget(
+            self.config, self.device, spare, activation_bytes_per_token(self.model, self.dtype)
+        )
+        self.config = dataclasses.replace(self.config, max_num_batched_tokens=budget)
         self.runner = ModelRunner(
             self.model,
             self.shape,

@@ -40,6 +40,22 @@ class ModelShape(NamedTuple):
     max_position_embeddings: int
 
 
+def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
+    """An estimate of a step's live activations per token, from the text config: the residual
+    stream, its normed copy, q/k/v and the attention output (4 x hidden, with room for grouped
+    heads), and the MLP's gate/up pair and product (3 x its widest intermediate; experts count
+    as many as route each token). Families name these fields differently: a missing one is
+    taken as 4 x hidden."""
+    config = model.config.get_text_config()
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    widths = [int(getattr(config, "intermediate_size", 0) or 0)]
+    experts = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    moe = int(getattr(config, "moe_intermediate_size", 0) or 0)
+    widths.append(moe * max(1, experts))
+    intermediate = max(widths) or 4 * hidden
+    return (4 * hidden + 3 * intermediate) * torch.tensor([], dtype=dtype).element_size()
+
+
 def set_cpu_threads(config: EngineConfig) -> None:
     """torch's intra-op threads for a CPU engine (see EngineConfig.cpu_threads)."""
     threads = config.cpu_threads

@@ -64,6 +64,26 @@ def plan_num_blocks(
     return num_blocks
 
 
+def spare_bytes(
+    config: EngineConfig,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int,
+) -> int:
+    """Device memory left once a KV cache of num_blocks (plus the scratch block) is allocated
+    beside what is allocated now: room for a step's activations and the decode graphs. 0 off
+    a GPU."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    per_block = KVCache.bytes_per_block(
+        shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, dtype
+    )
+    return max(0, free - (num_blocks + 1) * per_block)
+
+
 def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
     """Decode graphs, or None with a warning when the model's forward cannot be captured (a
     layer that copies from the host or synchronizes, e.g. some mixture-of-experts kernels):
