@@ -48,11 +48,10 @@ def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> in
     taken as 4 x hidden."""
     config = model.config.get_text_config()
     hidden = int(getattr(config, "hidden_size", 0) or 0)
-    widths = [int(getattr(config, "intermediate_size", 0) or 0)]
+    dense = int(getattr(config, "intermediate_size", 0) or 0)
     experts = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    moe = int(getattr(config, "moe_intermediate_size", 0) or 0)
-    widths.append(moe * max(1, experts))
-    intermediate = max(widths) or 4 * hidden
+    expert = int(getattr(config, "moe_intermediate_size", 0) or 0) or dense
+    intermediate = max(dense, experts * expert) or 4 * hidden
     return (4 * hidden + 3 * intermediate) * torch.tensor([], dtype=dtype).element_size()
 
 

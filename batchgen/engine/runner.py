@@ -47,10 +47,7 @@ def plan_num_blocks(
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        # memory the caching allocator holds but no tensor uses is free for the cache too
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = int(free * config.kv_cache_memory_fraction)
+        budget = int(_free_bytes(device) * config.kv_cache_memory_fraction)
     else:
         budget = int(config.cpu_kv_cache_gib * _GIB)
     num_blocks = max(0, budget // per_block)
@@ -76,12 +73,16 @@ def spare_bytes(
     a GPU."""
     if device.type != "cuda":
         return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     per_block = KVCache.bytes_per_block(
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, dtype
     )
-    return max(0, free - (num_blocks + 1) * per_block)
+    return max(0, _free_bytes(device) - (num_blocks + 1) * per_block)
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free device memory, counting what the caching allocator holds but no tensor uses."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
