@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from batchgen.engine.graphs import StepGraphs
+
 
 @functools.cache
 def hf_model(path: Path) -> torch.nn.Module:
@@ -56,3 +58,18 @@ def stop_after(engine: Any, outputs: int) -> Any:
 
     engine.generate = generate
     return engine
+
+
+class EagerPadding(StepGraphs):
+    """Stands in for StepGraphs on the CPU: pads steps as the graphs would (decode sizes, and
+    token sizes for steps with prefill chunks when tokens are given), runs them eagerly."""
+
+    def __init__(self, runner, sizes: tuple[int, ...], tokens: tuple[int, ...] = ()) -> None:
+        self.sizes, self.tokens = sorted(sizes), sorted(tokens)
+        self.max_seqs = runner.config.max_num_seqs
+        self.runner = runner
+        self.replays: list[tuple[int, int, int]] = []  # the padded (T, B, S) of each step
+
+    def replay(self, flat, host):
+        self.replays.append(tuple(host.layout[:3]))
+        return self.runner.forward(flat, host)

@@ -172,8 +172,11 @@ def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir)
             path, dtype="bfloat16", max_num_seqs=32, cuda_graph_capture=capture, check_model=False
         )
         engines.append(engine)
-        captured = set(engine.runner.graphs.graphs)
-        assert captured == ({32} if capture == "first_use" else set(engine.runner.graphs.sizes))
+        graphs = engine.runner.graphs
+        decode = {pad.B for pad in graphs.graphs if pad.decode}
+        tokens = {pad.T for pad in graphs.graphs if not pad.decode}
+        assert decode == ({32} if capture == "first_use" else set(graphs.sizes))
+        assert tokens == (set() if capture == "first_use" else set(graphs.tokens))
         outs = engine.generate(items, SamplingParams(), decode=False)
         runs.append({o.request_id: (o.output_token_ids, [lp.top_ids for lp in o.logprobs])
                      for o in outs})  # fmt: skip
@@ -181,6 +184,7 @@ def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir)
     assert not differ and len(runs[0]) == 40, (differ, sorted(engines[0].runner.graphs.graphs))
     lazy = engines[0].runner.graphs
     assert len(lazy.graphs) > 4 and not lazy.eager  # the shrinking batch met several sizes
+    assert any(not pad.decode for pad in lazy.graphs)  # a token size met twice
 
 
 def test_kv_cache_is_sized_from_free_memory(model_dir) -> None:

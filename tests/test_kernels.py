@@ -706,3 +706,46 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons() -> None:
     for a in range(0, 600):
         for b in (1, 2, 3, 7, 8, 16, 63, 64, 128, 1024):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET")
+def test_steps_padded_to_graph_shapes_generate_what_the_model_does(model_dir) -> None:
+    """Every step padded as the step graphs pad it (decode sizes; token sizes for steps with
+    prefill chunks, whose decode count the attention reads on the device), run through the
+    Triton backend in the interpreter: the greedy tokens of Hugging Face's generate."""
+    from batchgen import Engine, EngineConfig, SamplingParams
+    from tests.helpers import EagerPadding, hf_greedy, random_prompts
+
+    path = model_dir("llama")
+    prompts = random_prompts(5, 3, 26, 1000, seed=17)
+    config = EngineConfig(
+        device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=3,
+        max_num_batched_tokens=12, block_size=8, enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = Engine(path, config)
+    graphs = engine.runner.graphs = EagerPadding(engine.runner, (2,), tokens=(6, 12))
+    backend, mixed = engine.runner.backend, []
+    make_plan = backend._make_plan
+
+    def plan(meta):  # a padded step's plan: from its shape only (what a capture sees)
+        got, nd = make_plan(meta), meta.num_decodes
+        if meta.decode_context_lens is None:
+            return got
+        T, B = meta.slot_mapping.shape[0], meta.context_lens.shape[0]
+        assert got[:5] == (min(T, B), got.num_splits, 0, B, T)
+        assert got.prefill_block_m == backend.tuning.prefill_block_m
+        if 0 < nd < B - 1:  # the device-side views of a step with decodes and prefills
+            lens, cu = meta.context_lens_host, meta.cu_seqlens_q_host
+            assert meta.decode_context_lens.tolist() == lens[:nd] + [0] * (B - nd)
+            assert meta.prefill_cu_seqlens.tolist() == [nd] * (nd + 1) + cu[nd + 1 :]
+            mixed.append(nd)
+        return got
+
+    backend._make_plan = plan
+    params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    got = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
+    shaped = [pad for pad in graphs.replays if pad[1] == 4]  # Pad(T, max_num_seqs + 1, 3)
+    assert {pad[0] for pad in shaped} == {6, 12} and (2, 2, 2) in graphs.replays
+    assert mixed, "no padded step had both decode rows and prefill chunks"
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(path, prompt, 7), f"request {i}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
 import torch
 
 from batchgen import SamplingParams
@@ -207,3 +208,89 @@ def test_prefill_chunks_pack_their_tokens_positions_and_rows() -> None:
     assert step.seq_idx.tolist() == [0] * 10 + [1] * 4200 + [2] * 300
     assert step.relay_src.tolist() == [-1] * 9 + [1] + [-1] * 4500
     assert host.cu_seqlens == [0, 10, 4210, 4510] and host.context_lens == [40, 8200, 9000]
+
+
+def test_a_step_padded_to_a_token_shape_keeps_its_rows_and_pads_in_the_pad_slot() -> None:
+    """A step with decodes and prefill chunks padded to Pad(T, B, S): its own rows unchanged
+    and first, then zero-length sequences in the pad slot, tokens in no sequence (the last
+    padding sequence's row in seq_idx, position 0, no relay), sampled rows of token 0 with
+    the padding constants; the host's decode count is the step's own."""
+    from batchgen.engine.step_inputs import Pad
+    from batchgen.engine.step_layout import PAD_CONSTANTS, SAMPLE_FLOATS, SAMPLE_INTS
+
+    requests = [
+        Request(str(i), list(range(2, 6 + 7 * i)), SamplingParams(temperature=0.5), 0, 100,
+                frozenset({1}), rng_key=i)
+        for i in range(4)
+    ]  # fmt: skip
+    scheduler = Scheduler(BlockManager(64, 4), 8, 20, True)
+    for r in requests[:2]:
+        scheduler.add(r)
+    first = scheduler.schedule()
+    for r, synced in prepare_step(first)[0].synced:
+        r.num_synced_blocks = synced
+    for r in requests[2:]:
+        scheduler.add(r)
+    batch = scheduler.schedule()  # two decodes (relayed) and prefill chunks
+    assert 0 < sum(c.num_tokens == 1 for c in batch.chunks) < len(batch.chunks)
+    own_host, own = prepare_step(batch)
+    T, B, S = own_host.layout[:3]
+    pad = Pad(T + 5, 9, 8)
+    host, flat = prepare_step(batch, pad, 8)
+    assert host.layout[:3] == (T + 5, 9, 8) and host.shape_only and not own_host.shape_only
+    assert host.num_decodes == own_host.num_decodes == 2
+    step, mine = unpack_step(flat, host.layout), unpack_step(own, own_host.layout)
+    for name in ("ids", "relay_src", "positions", "seq_idx"):
+        assert getattr(step, name)[:T].tolist() == getattr(mine, name).tolist(), name
+    assert step.ids[T:].tolist() == [0] * 5 and step.relay_src[T:].tolist() == [-1] * 5
+    assert step.positions[T:].tolist() == [0] * 5 and step.seq_idx[T:].tolist() == [8] * 5
+    assert step.cu_seqlens.tolist() == mine.cu_seqlens.tolist() + [T] * (9 - B)
+    assert host.cu_seqlens == step.cu_seqlens.tolist()
+    assert step.context_lens.tolist() == mine.context_lens.tolist() + [0] * (9 - B)
+    assert step.seq_slots.tolist() == mine.seq_slots.tolist() + [8] * (9 - B)
+    assert step.sample_idx.tolist() == mine.sample_idx.tolist() + [0] * (8 - S)
+    sampling, own_sampling = (
+        unpack_sampling(flat, host.layout),
+        unpack_sampling(own, own_host.layout),
+    )
+    assert sampling.slots.tolist() == own_sampling.slots.tolist() + [8] * (8 - S)
+    names = SAMPLE_INTS[3:] + SAMPLE_FLOATS  # after slots, rng_keys, positions
+    pad_values = dict(zip(names, PAD_CONSTANTS[0] + PAD_CONSTANTS[1], strict=True))
+    for name, value in pad_values.items():
+        assert getattr(sampling, name)[S:].tolist() == [value] * (8 - S), name
+    assert torch.equal(sampling.updates, own_sampling.updates)
+    assert host.flags == own_host.flags
+    for too_small in (Pad(T - 1, 9, 8), Pad(T, B, 8), Pad(T, 9, S - 1)):
+        with pytest.raises(ValueError, match="exceeds"):
+            prepare_step(batch, too_small, 8)
+
+
+def test_graph_shapes_chosen_for_steps_bound_their_padding() -> None:
+    """Decode steps pad to the next decode size; a step with prefill chunks pads to the next
+    token size when that size is small or the padding is a small share of it, and otherwise
+    (or with more sequences or samples than a graph has room for) runs as it is."""
+    from batchgen.engine.graphs import PAD_SHARE, SMALL_STEP, StepGraphs
+    from batchgen.engine.scheduler import Batch, ScheduledChunk
+    from batchgen.engine.step_inputs import Pad
+
+    graphs = StepGraphs.__new__(StepGraphs)  # the choice needs no device
+    graphs.sizes, graphs.tokens, graphs.max_seqs = [1, 2, 4, 8], [256, 1024, 2048, 4096], 8
+
+    def step(*lengths: int, samples: int | None = None) -> Batch:
+        samples = len(lengths) if samples is None else samples
+        chunks = [ScheduledChunk(None, 0, n, i < samples, False) for i, n in enumerate(lengths)]
+        return Batch(chunks, sum(lengths))
+
+    assert graphs.padded_size(step(1, 1, 1)) == Pad(4, 4, 4)
+    assert graphs.padded_size(step(1, 1, 1, samples=2)) == Pad(256, 9, 8)
+    assert graphs.padded_size(step(*[1] * 9)) is None  # more sequences than a graph holds
+    assert graphs.padded_size(step(1, 1, 200)) == Pad(256, 9, 8)
+    assert SMALL_STEP >= 1024
+    assert graphs.padded_size(step(1, 300)) == Pad(1024, 9, 8)  # small: any padding
+    fits = 4096 - 4096 // PAD_SHARE
+    assert graphs.padded_size(step(1, fits - 1)) == Pad(4096, 9, 8)
+    assert graphs.padded_size(step(1, fits - 2)) is None  # too much padding for its length
+    assert graphs.padded_size(step(2048)) == Pad(2048, 9, 8)
+    assert graphs.padded_size(step(2049)) is None
+    assert graphs.padded_size(step(4097)) is None  # above every token size
+    assert graphs.padded_size(Batch([], 0)) is None

@@ -39,7 +39,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     overlap: bool = True  # launch step N+1 before post-processing N; False = synchronous oracle
-    cuda_graphs: bool = True  # capture decode steps (CUDA only)
+    cuda_graphs: bool = True  # replay steps from CUDA graphs (CUDA only)
     cuda_graph_batch_sizes: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     )
@@ -47,6 +47,10 @@ class EngineConfig:
     # pool serves all sizes), each other size before its first step (a job's first rows come
     # ~1-2 s sooner; the job's total is the same); "startup" = every size before the first step
     cuda_graph_capture: str = "first_use"
+    # token counts that steps with prefill chunks are padded to and replayed at from CUDA
+    # graphs (those above the token budget dropped); None = about 1.5x apart from 256 up to
+    # the budget, and the budget; () = such steps run eagerly
+    cuda_graph_token_sizes: tuple[int, ...] | None = None
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
@@ -117,6 +121,13 @@ class EngineConfig:
             self.cuda_graph_capture,
             "first_use or startup",
         )
+        if self.cuda_graph_token_sizes is not None:
+            check_field(
+                all(t >= 1 for t in self.cuda_graph_token_sizes),
+                "cuda_graph_token_sizes",
+                self.cuda_graph_token_sizes,
+                "positive token counts",
+            )
         check_field(
             all(b >= 1 for b in self.cuda_graph_batch_sizes),
             "cuda_graph_batch_sizes",

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import math
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,8 +73,20 @@ def check_model(engine: Engine) -> None:
     fp8 = is_quantized(engine.model)
     if fp8 and (reason := fp8_product_error(engine.model, engine.dtype)) is not None:
         raise _refuse(family, reason)
-    with fp8_probe_mode(engine) if fp8 else contextlib.nullcontext():
+    with _eager_steps(engine), fp8_probe_mode() if fp8 else contextlib.nullcontext():
         _compare(engine, family)
+
+
+@contextlib.contextmanager
+def _eager_steps(engine: Engine) -> Iterator[None]:
+    """The probe's steps run eagerly, graphs set aside: the attention audit hears each layer
+    call attention (a graph's replay calls no Python)."""
+    runner = engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
 
 
 def _compare(engine: Engine, family: str) -> None:

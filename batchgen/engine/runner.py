@@ -21,7 +21,7 @@ from batchgen.engine.attention.select import make_backend, uses_triton
 from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import Fusion
-from batchgen.engine.graphs import DecodeGraphs
+from batchgen.engine.graphs import StepGraphs, token_sizes
 from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
@@ -85,20 +85,22 @@ def _free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
-    """Decode graphs, or None with a warning when the model's forward cannot be captured (a
+def _capture_or_warn(runner: ModelRunner) -> StepGraphs | None:
+    """Step graphs, or None with a warning when the model's forward cannot be captured (a
     layer that copies from the host or synchronizes, e.g. some mixture-of-experts kernels):
-    its decode steps then run eagerly, with the same results."""
+    its steps then run eagerly, with the same results."""
     try:
         config = runner.config
-        limit = min(config.max_num_seqs, config.max_num_batched_tokens)
-        graphs = DecodeGraphs(
+        budget = config.max_num_batched_tokens
+        graphs = StepGraphs(
             runner.forward,
             runner.device,
             runner.pad_slot,
             config.cuda_graph_batch_sizes,
-            limit,
+            min(config.max_num_seqs, budget),
             first_use=config.cuda_graph_capture == "first_use",
+            tokens=token_sizes(budget, config.cuda_graph_token_sizes),
+            max_seqs=config.max_num_seqs,
         )
         return graphs
     except Exception as exc:  # capture failed: leave the device usable and run eagerly
@@ -107,7 +109,7 @@ def _capture_or_warn(runner: ModelRunner) -> DecodeGraphs | None:
         text = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
         warnings.warn(
-            f"batchgen: CUDA graphs are off for this model, decode steps run eagerly ({reason})",
+            f"batchgen: CUDA graphs are off for this model, its steps run eagerly ({reason})",
             stacklevel=2,
         )
         return None
@@ -120,7 +122,7 @@ class Begun(NamedTuple):
     sampling: SamplingInputs
     logits: torch.Tensor  # [S, vocab] of the sampled rows, padding rows included
     mark: Any  # the step hook's begin() value
-    graphed: bool
+    graphed: bool  # a decode step replayed from its graph
     num_samples: int  # real sampled rows (the first ones)
 
 
@@ -194,7 +196,7 @@ class ModelRunner:
         if config.fused_ops and device.type == "cuda" and uses_triton(self.backend):
             self.fusion = Fusion(model)
             self.fusion.on()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if (
             device.type == "cuda"
             and config.cuda_graphs
@@ -210,8 +212,8 @@ class ModelRunner:
     def begin(self, batch: Batch) -> Begun:
         """Queue the step's inputs and forward pass; sample() queues the rest. Between the two
         the host may fill a token bitmask while the device runs the forward."""
-        pad_to = self.graphs.padded_size(batch) if self.graphs is not None else 0
-        host, staged = self.packer.prepare(batch, pad_to, self.pad_slot)
+        pad = self.graphs.padded_size(batch) if self.graphs is not None else None
+        host, staged = self.packer.prepare(batch, pad or 0, self.pad_slot)
         for request, synced in host.synced:  # the new block-table entries are on their way
             request.num_synced_blocks = synced
         flat = self.transfer.to_device(staged)
@@ -222,8 +224,9 @@ class ModelRunner:
             self.block_tables[updates[:, 0], updates[:, 1]] = updates[:, 2].int()
         if host.flags.any_penalty or host.layout.R:
             self._penalty_state().update_known(sampling)
-        logits = self.graphs.replay(flat, host) if pad_to else self.forward(flat, host)
-        return Begun(host, sampling, logits, mark, bool(pad_to), batch.num_samples)
+        logits = self.graphs.replay(flat, host) if pad else self.forward(flat, host)
+        decode_graph = pad is not None and pad.decode
+        return Begun(host, sampling, logits, mark, decode_graph, batch.num_samples)
 
     @torch.inference_mode()
     def sample(self, begun: Begun, mask: torch.Tensor | None = None) -> StepOutput:
@@ -293,6 +296,14 @@ class ModelRunner:
         else:
             inputs = self.token_inputs(step)
         ids, slot_mapping, cu_seqlens, context_lens = inputs
+        shaped = {}
+        if host.shape_only:  # the decode rows' count, on the device (as the host counts it)
+            decodes = (cu_seqlens[1:] - cu_seqlens[:-1] == 1).sum().int()
+            rows = torch.arange(len(context_lens), device=context_lens.device)
+            shaped = {
+                "decode_context_lens": torch.where(rows < decodes, context_lens, 0),
+                "prefill_cu_seqlens": torch.maximum(cu_seqlens, decodes),
+            }
         return ids, AttentionMetadata(
             slot_mapping=slot_mapping,
             cu_seqlens_q=cu_seqlens,
@@ -305,4 +316,5 @@ class ModelRunner:
             num_decodes=host.num_decodes,
             kv_cache=self.kv_cache,
             backend=self.backend,
+            **shaped,
         )

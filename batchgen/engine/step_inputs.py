@@ -7,8 +7,11 @@ device, one row per relay slot; a step sends only new (slot, column, block) entr
 state (token counts per slot) is reset for slots in `resets`, marked from `prompt_marks` /
 `output_counts` (slot, token) pairs known on the host at admission, and counted on the device
 as tokens are sampled (`track`). `bans` are (sample row, token) pairs whose logit is -inf
-(min_new_tokens). A decode step may be padded to a CUDA-graph batch size: padding rows use the
-pad slot, whose block-table row points at a scratch block, so padded work touches nothing real.
+(min_new_tokens). A step may be padded to a CUDA graph's sizes (Pad): padding uses the pad slot,
+whose block-table row points at a scratch block, so padded work touches nothing real. A decode
+step gets one-token padding rows; any other step gets zero-length padding sequences after its
+own, padding tokens after its last sequence's (in no sequence, at position 0), and padding
+sampled rows reading token row 0 (whose results are dropped).
 prepare_step reads requests and never changes them: what the step sent is returned.
 """
 
@@ -59,6 +62,23 @@ class HostStep(NamedTuple):
     num_decodes: int
     flags: SamplingFlags
     synced: list[tuple[Request, int]]  # (request, block-table entries now on the device)
+    # padded to a graph of steps with prefill chunks: the counts that differ between steps
+    # of one padded shape (decode rows, the prefill rows' sequences) are read on the device
+    shape_only: bool = False
+
+
+class Pad(NamedTuple):
+    """The model-part sizes a step is padded to (a CUDA graph's): T tokens, B sequences, S
+    sampled rows. T == B == S: a decode graph (one-token padding rows); otherwise a graph of
+    steps with prefill chunks (B > S: room for one padding sequence after any step's own)."""
+
+    T: int
+    B: int
+    S: int
+
+    @property
+    def decode(self) -> bool:
+        return self.T == self.B == self.S
 
 
 _MINUS_ONE, _ZERO = array("q", (-1,)), array("q", (0,))
@@ -91,12 +111,14 @@ class _Lists:
 
 
 def prepare_step(
-    batch: Batch, pad_to: int = 0, pad_slot: int = -1
+    batch: Batch, pad_to: int | Pad = 0, pad_slot: int = -1
 ) -> tuple[HostStep, torch.Tensor]:
     """-> the step's host facts and its flat int64 metadata (a CPU tensor of layout.size).
 
-    pad_to > len(batch.chunks) pads a decode-only batch with one-token rows in pad_slot.
+    pad_to: a Pad, or B for Pad(B, B, B): a decode-only batch of fewer rows gets one-token
+    rows in pad_slot; for a Pad with B > S (any batch that fits it), see _add_shape_padding.
     """
+    pad = Pad(pad_to, pad_to, pad_to) if isinstance(pad_to, int) else pad_to
     L = _Lists()
     chunks = batch.chunks
     real = len(chunks)
@@ -109,8 +131,12 @@ def prepare_step(
         else:
             _add_chunk(L, i, chunks[i])
             i += 1
-    for i in range(real, pad_to):
-        _add_padding(L, i, pad_slot)
+    shape_only = not pad.decode
+    if shape_only:
+        _add_shape_padding(L, pad, pad_slot)
+    else:
+        for i in range(real, pad.B):
+            _add_padding(L, i, pad_slot)
     S = len(L.samples)
     tail_rows = [len(getattr(L, name)) // width for name, _, width in TAIL_SEGMENTS]
     layout = Layout(len(L.ids), len(L.context_lens), S, *tail_rows)
@@ -130,9 +156,11 @@ def prepare_step(
     ints.extend(chain.from_iterable(getattr(L, name) for name, _, _ in TAIL_SEGMENTS))
     # a view of the array (which it keeps alive): no copy here, one into the pinned buffer
     flat = torch.frombuffer(ints, dtype=torch.int64) if ints else torch.empty(0).long()
-    num_decodes = sum(c.num_tokens == 1 for c in batch.chunks) + (len(L.context_lens) - real)
+    num_decodes = sum(c.num_tokens == 1 for c in batch.chunks)
+    if not shape_only:  # one-token padding rows are decodes too
+        num_decodes += len(L.context_lens) - real
     flags = _flags(int_cols, float_cols) if S else SamplingFlags()
-    host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced)
+    host = HostStep(layout, L.cu_seqlens, L.context_lens, num_decodes, flags, L.synced, shape_only)
     return host, flat
 
 
@@ -151,7 +179,7 @@ class StepPacker:
         self._last: _SteadyStep | None = None
 
     def prepare(
-        self, batch: Batch, pad_to: int = 0, pad_slot: int = -1
+        self, batch: Batch, pad_to: int | Pad = 0, pad_slot: int = -1
     ) -> tuple[HostStep, torch.Tensor]:
         chunks = batch.chunks
         last = self._last
@@ -350,6 +378,29 @@ def _add_padding(L: _Lists, i: int, pad_slot: int) -> None:
     L.samples.append((pad_slot, 0, 1))
     L.sample_ints.append(PAD_CONSTANTS[0])
     L.sample_floats.append(PAD_CONSTANTS[1])
+
+
+def _add_shape_padding(L: _Lists, pad: Pad, pad_slot: int) -> None:
+    """Pad a step's lists to pad's sizes: zero-length sequences in pad_slot after the step's
+    own (at least one: the padding tokens' row in seq_idx), padding tokens after the last
+    sequence's tokens (in no sequence: attention never reads or writes their rows; their K/V
+    go to the scratch block), and sampled rows of token row 0 (a real row: finite logits)."""
+    T, B, S = len(L.ids), len(L.context_lens), len(L.samples)
+    if T > pad.T or B >= pad.B or S > pad.S:
+        raise ValueError(f"a step of {T} tokens, {B} sequences, {S} samples exceeds {pad}")
+    L.cu_seqlens.extend([T] * (pad.B - B))
+    L.context_lens.extend([0] * (pad.B - B))
+    L.seq_slots.extend([pad_slot] * (pad.B - B))
+    n = pad.T - T
+    L.ids.extend(_ZERO * n)
+    L.relay_src.extend(_MINUS_ONE * n)
+    L.positions.extend(_ZERO * n)
+    L.seq_idx.extend(array("q", (pad.B - 1,)) * n)
+    n = pad.S - S
+    L.sample_idx.extend([0] * n)
+    L.samples.extend([(pad_slot, 0, 1)] * n)
+    L.sample_ints.extend([PAD_CONSTANTS[0]] * n)
+    L.sample_floats.extend([PAD_CONSTANTS[1]] * n)
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

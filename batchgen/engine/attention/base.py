@@ -88,6 +88,12 @@ class AttentionMetadata:
     num_decodes: int
     kv_cache: KVCache
     backend: AttentionBackend
+    # a step padded to a graph's shape (HostStep.shape_only): its decode rows' count lives on
+    # the device, as these two views: the context lengths with every sequence past the decode
+    # rows at 0 (decode attention over all B rows computes nothing for them), and cu_seqlens_q
+    # with the decode rows at zero length (prefill attention over all B skips them)
+    decode_context_lens: torch.Tensor | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

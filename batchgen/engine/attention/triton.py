@@ -10,6 +10,7 @@ import functools
 import weakref
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 
@@ -63,14 +64,15 @@ class TritonTuning:
         return self.decode_block_n, self.decode_num_warps
 
 
-@dataclass(frozen=True)
-class TritonPlan:
-    """One step's launch parameters, from host-side metadata only (computed once per step)."""
+class TritonPlan(NamedTuple):
+    """One step's launch parameters, from host-side metadata only (computed once per step).
+    For a step padded to a graph's shape, from that shape only (counts on the device)."""
 
-    num_decodes: int  # sequences [0, num_decodes) have one query token, at rows [0, num_decodes)
+    num_decodes: int  # decode attention's rows: sequences [0, num_decodes), at those rows
     num_splits: int  # decode KV partitions per sequence (from shapes only: graph-safe)
-    num_prefills: int  # sequences [num_decodes, B)
-    num_prefill_tokens: int
+    first_prefill: int  # prefill attention's sequences: [first_prefill, + num_prefills)
+    num_prefills: int
+    num_prefill_tokens: int  # their tokens (an upper bound: it sizes the grid)
     prefill_block_m: int
     decode_block_n: int  # keys per decode tile, for the cache's dtype
     decode_num_warps: int
@@ -127,17 +129,20 @@ class TritonBackend:
         else:
             q = kern.rope_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        shaped = meta.decode_context_lens is not None  # counts on the device (_make_plan)
+        decode_lens = meta.decode_context_lens if shaped else meta.context_lens
+        prefill_cu = meta.prefill_cu_seqlens if shaped else meta.cu_seqlens_q
         if plan.num_decodes:
             kern.paged_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                q, k_cache, v_cache, meta.block_tables, decode_lens, scale,
                 window=window, num_seqs=plan.num_decodes, num_splits=plan.num_splits, **extra,
                 min_partition=tune.decode_min_partition, out=out, block_n=plan.decode_block_n,
                 num_warps=plan.decode_num_warps, num_stages=tune.decode_num_stages,
             )  # fmt: skip
         if plan.num_prefills:
             kern.paged_prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                scale, num_tokens=plan.num_prefill_tokens, first_seq=plan.num_decodes,
+                q, k_cache, v_cache, meta.block_tables, prefill_cu, meta.context_lens,
+                scale, num_tokens=plan.num_prefill_tokens, first_seq=plan.first_prefill,
                 num_seqs=plan.num_prefills, window=window, out=out, **extra,
                 block_m=plan.prefill_block_m, block_n=tune.prefill_block_n,
                 num_warps=tune.prefill_num_warps, num_stages=tune.prefill_num_stages,
@@ -146,8 +151,29 @@ class TritonBackend:
 
     def _make_plan(self, meta: AttentionMetadata) -> TritonPlan:
         tune, cu = self.tuning, meta.cu_seqlens_q_host
-        num_decodes = meta.num_decodes
         num_seqs = len(cu) - 1
+        if meta.decode_context_lens is not None:  # from the padded shape only (a graph's
+            # capture sees no real rows): decode attention over every row that can be a
+            # decode row, prefill over every sequence and token (AttentionMetadata's
+            # device-side views make each skip what is not its own)
+            num_tokens = meta.slot_mapping.shape[0]
+            shape = self._plan_shape(meta, min(num_seqs, num_tokens))
+            return shape._replace(
+                first_prefill=0, num_prefills=num_seqs, num_prefill_tokens=num_tokens
+            )
+        plan = self._plan_shape(meta, meta.num_decodes)
+        longest = max((b - a for a, b in pairwise(cu[plan.num_decodes :])), default=0)
+        small = longest <= tune.prefill_small_block_m
+        return plan._replace(
+            first_prefill=plan.num_decodes,
+            num_prefills=num_seqs - plan.num_decodes,
+            num_prefill_tokens=cu[-1] - cu[plan.num_decodes],
+            prefill_block_m=tune.prefill_small_block_m if small else tune.prefill_block_m,
+        )
+
+    def _plan_shape(self, meta: AttentionMetadata, num_decodes: int) -> TritonPlan:
+        """The plan's decode part for num_decodes rows, without prefill rows."""
+        tune = self.tuning
         k_cache = meta.kv_cache.keys[0]
         num_splits = self.kernels.plan_decode_splits(
             num_decodes,
@@ -158,14 +184,13 @@ class TritonBackend:
             max_splits=tune.decode_max_splits,
         )
         block_n, warps = tune.decode_tiles(k_cache.dtype)
-        longest = max((b - a for a, b in pairwise(cu[num_decodes:])), default=0)
-        small = longest <= tune.prefill_small_block_m
         return TritonPlan(
             num_decodes=num_decodes,
             num_splits=num_splits,
-            num_prefills=num_seqs - num_decodes,
-            num_prefill_tokens=cu[-1] - cu[num_decodes],
-            prefill_block_m=tune.prefill_small_block_m if small else tune.prefill_block_m,
+            first_prefill=num_decodes,
+            num_prefills=0,
+            num_prefill_tokens=0,
+            prefill_block_m=tune.prefill_block_m,
             decode_block_n=block_n,
             decode_num_warps=warps,
         )

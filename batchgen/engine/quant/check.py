@@ -17,7 +17,7 @@ real error on every model, so the check is split:
    multiplies its 16-bit input by its own FP8 weights, so the engine (attention, paged cache,
    scheduling, fused kernels, merged FP8 weights and per-channel scales) is compared with the
    model's own forward pass at the dtype's usual tolerance, as for a 16-bit model. CUDA graphs
-   recorded the quantizing kernels, so decode steps run eagerly during the probe.
+   recorded the quantizing kernels; the probe's steps run eagerly anyway (probe.py).
 2. The quantized product itself (on a GPU the Triton quantization kernel, and each GEMM the
    engine may pick: batchgen's Triton kernel with and without split K, torch._scaled_mm) is
    compared layer shape by layer shape with its emulation in torch (emulated_fp8_linear) on
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,9 +44,6 @@ from batchgen.engine.quant.fp8 import (
     unquantized_activations,
 )
 
-if TYPE_CHECKING:
-    from batchgen.engine.engine import Engine
-
 GEMM_ROWS = 37  # activation rows of the product check (not a multiple of 16)
 # ||fp8_linear - emulation|| / ||emulation||: the H200 measured 0.0016 (bfloat16 output
 # rounding, summation order); a wrong scale, layout or cast is off by O(1)
@@ -55,15 +51,10 @@ GEMM_TOLERANCE = 1e-2
 
 
 @contextlib.contextmanager
-def fp8_probe_mode(engine: Engine) -> Iterator[None]:
-    """Activations unquantized and decode graphs set aside while the probe runs."""
-    runner = engine.runner
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        with unquantized_activations():
-            yield
-    finally:
-        runner.graphs = graphs
+def fp8_probe_mode() -> Iterator[None]:
+    """Activations unquantized while the probe runs (its steps run eagerly: probe.py)."""
+    with unquantized_activations():
+        yield
 
 
 @torch.inference_mode()
