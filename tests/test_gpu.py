@@ -187,6 +187,43 @@ def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir)
     assert any(not pad.decode for pad in lazy.graphs)  # a token size met twice
 
 
+def test_steps_stopped_at_token_sizes_replay_graphs_captured_between_steps(model_dir) -> None:
+    """Prompts that arrive as sequences finish: the scheduler stops steps at token sizes
+    (step_target), and their graphs, captured between overlapped steps, give the tokens of an
+    engine without graphs."""
+    import warnings
+
+    path = model_dir("llama")
+    prompts = random_prompts(48, 100, 300, 1000, seed=12)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    settings = {
+        "dtype": "float32",
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 2048,
+        "cuda_graph_token_sizes": (256, 512, 1024, 1536, 2048),
+        "check_model": False,
+    }
+    eager = tokens(cuda_engine(path, cuda_graphs=False, **settings), prompts, params)
+    engine = cuda_engine(path, **settings)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        steps.append(schedule())
+        return steps[-1]
+
+    engine.scheduler.schedule = recorded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture that failed would warn
+        got = tokens(engine, prompts, params)
+    assert got == eager
+    graphs = engine.runner.graphs
+    cut = [b.num_tokens for b in steps if b.num_tokens > 1024 and not b.chunks[-1].samples]
+    assert 1536 in cut and set(cut) <= {1536, 2048}, cut
+    assert 1536 in {pad.T for pad in graphs.graphs if not pad.decode}  # met twice: captured
+    assert not graphs.eager
+
+
 def test_kv_cache_is_sized_from_free_memory(model_dir) -> None:
     engine = cuda_engine(model_dir("llama"), kv_cache_memory_fraction=0.05, num_kv_blocks=None)
     assert engine.num_blocks > 1000

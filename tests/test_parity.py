@@ -140,3 +140,31 @@ def test_padded_decode_steps_give_the_same_tokens(model_dir) -> None:
     assert len(engine.runner.graphs.replays) > 10
     for i, prompt in enumerate(prompts):
         assert got[str(i)] == hf_greedy(path, prompt, 16), f"request {i}"
+
+
+def test_steps_stopped_at_graph_sizes(model_dir) -> None:
+    """A GPU engine with token graphs stops admitting prompts at a token size (step_target),
+    cutting a prompt between two steps: the tokens stay Hugging Face's."""
+    import functools
+
+    from batchgen.engine.graphs import step_target
+
+    path = model_dir("llama")
+    prompts = random_prompts(12, 150, 300, VOCAB_LOW, seed=5)
+    engine = engine_for(path, max_num_seqs=8, max_num_batched_tokens=4096)
+    sizes = (1024, 1536, 2048, 3072, 4096)
+    engine.scheduler.step_target = functools.partial(step_target, sizes)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        steps.append(batch)
+        return batch
+
+    engine.scheduler.schedule = recorded
+    got = run(engine, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    cut = [b for b in steps if b.num_tokens in sizes and not b.chunks[-1].samples]
+    assert cut, "no step stopped inside a prompt at a token size"
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(path, prompt, 12), f"request {i}"

@@ -294,3 +294,56 @@ def test_graph_shapes_chosen_for_steps_bound_their_padding() -> None:
     assert graphs.padded_size(step(2049)) is None
     assert graphs.padded_size(step(4097)) is None  # above every token size
     assert graphs.padded_size(Batch([], 0)) is None
+
+
+def test_steps_stop_admitting_at_a_token_size_where_padding_would_cost() -> None:
+    """step_target keeps a step that replays a graph as it is (small, or padded cheaply), and
+    otherwise stops it at the largest token size above what it already has."""
+    from batchgen.engine.graphs import PAD_SHARE, pads_cheaply, step_target
+
+    sizes = (256, 1024, 2048, 4096, 8192)
+    assert step_target(sizes, 10, 900) == 900  # pads to 1024: small
+    assert step_target(sizes, 10, 2048) == 2048  # a size: no padding
+    cheap = 4096 - 4096 // PAD_SHARE
+    assert pads_cheaply(4096, cheap) and not pads_cheaply(4096, cheap - 1)
+    assert step_target(sizes, 10, cheap) == cheap
+    assert step_target(sizes, 10, cheap - 1) == 2048
+    assert step_target(sizes, 2047, 3000) == 2048
+    assert step_target(sizes, 2048, 3000) == 3000  # no size between what it has and natural
+    assert step_target(sizes, 5000, 7000) == 7000
+    assert step_target(sizes, 4000, 7000) == 4096
+    assert step_target(sizes, 100, 9000) == 9000  # above every size
+    assert step_target((4096,), 0, 2000) == 2000  # no size below
+    assert step_target((), 0, 5000) == 5000
+
+
+def test_scheduler_cuts_the_last_prompt_at_the_step_target() -> None:
+    """With a step target the admission stops inside the last prompt (chunked prefill); the
+    rest of that prompt starts the next step, and no request is left out."""
+    import functools
+
+    from batchgen.engine.graphs import step_target
+
+    sizes = (1024, 2048, 3072, 4096)
+    prompts = [700, 900, 800, 600, 500]  # 3,500 tokens in all
+    requests = [
+        Request(str(i), list(range(n)), SamplingParams(), 0, n + 4, frozenset({1}))
+        for i, n in enumerate(prompts)
+    ]
+    scheduler = Scheduler(BlockManager(400, 16), 8, 4096, True)
+    scheduler.step_target = functools.partial(step_target, sizes)
+    for r in requests:
+        scheduler.add(r)
+    first = scheduler.schedule()
+    assert first.num_tokens == 3072, "3,500 would pad to 4,096 (15%): stop at 3,072"
+    assert [c.num_tokens for c in first.chunks] == [700, 900, 800, 600, 72]
+    assert [c.samples for c in first.chunks] == [True] * 4 + [False]
+    second = scheduler.schedule()  # four decodes and the last prompt's other 428 tokens
+    assert second.num_tokens == 432 and second.chunks[-1].start == 72
+    assert len(scheduler.running) == 5 and not scheduler.waiting
+
+    plain = Scheduler(BlockManager(400, 16), 8, 4096, False)  # whole prompts only: no cut
+    plain.step_target = functools.partial(step_target, sizes)
+    for i, n in enumerate(prompts):
+        plain.add(Request(str(i), list(range(n)), SamplingParams(), 0, n + 4, frozenset({1})))
+    assert plain.schedule().num_tokens == 3500

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import os
@@ -23,6 +24,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
 from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
+from batchgen.engine.graphs import step_target
 from batchgen.engine.model_loader import (
     activation_bytes_per_token,
     adopt_model,
@@ -148,6 +150,9 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.config.enable_chunked_prefill,
         )
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.tokens:  # steps stop at sizes with graphs
+            self.scheduler.step_target = functools.partial(step_target, tuple(graphs.tokens))
         self._owns_model = not adopted
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running

@@ -4,7 +4,10 @@ A decode-only step (every sequence has one query token and samples) of B sequenc
 to the smallest decode size >= B; a step with prefill chunks (or a decode step larger than every
 decode size) of T tokens is padded to the smallest token size >= T, with room for every
 sequence and sampled row a step can have (Pad in step_inputs), where that padding is cheap
-(SMALL_STEP, PAD_SHARE; other steps run eagerly as they are). The step's fixed metadata is
+(SMALL_STEP, PAD_SHARE; other steps run eagerly as they are). The scheduler stops admitting
+prompts at a token size where a step would otherwise fall between sizes with costly padding
+(step_target): the step then replays that size's graph unpadded, and the rest of its last
+prompt joins the next step. The step's fixed metadata is
 copied into the graph's static input buffer and the graph replays the whole forward pass to
 logits. Sampling stays outside the graph.
 
@@ -21,9 +24,11 @@ which its tail pays later, one size at a time. Token sizes are captured at start
 ("startup"), or (first_use) at their second step: the first runs eagerly at the padded shape,
 which warms what the capture records (kernel compiles, GEMM choices), so a token size met once
 costs nothing extra. The steps of all token sizes return their logits in one buffer (the first
-such graph's), so their outputs do not each hold memory. Each capture waits for the device to
-be idle, so a step in flight is never touched; a capture that fails leaves that size to run
-eagerly (the same inputs, padding included), with a warning.
+such graph's), so their outputs do not each hold memory. Captures at start-up wait for the
+device and release the allocator's cache (torch.cuda.graph); one between steps is recorded
+while the step in flight runs on (its padding inputs reach the static buffer in stream order,
+after that step has read it), and keeps the cache the next eager step allocates from. A capture
+that fails leaves that size to run eagerly (the same inputs, padding included), with a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import bisect
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,8 +55,10 @@ TOKEN_LADDER = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12
 # launching it op by op would leave the device waiting on the host. A larger step runs long
 # enough on the device to hide its launches, while its padding costs compute in proportion:
 # it replays only when padding adds at most 1/PAD_SHARE of the padded size (a step that
-# fills the token budget), and otherwise runs eagerly as it is. (1b job, 8,192 rows x 16
-# tokens on an H200: padding every such step up the ladder cost 6.5% more device time.)
+# fills the token budget); the scheduler stops admitting at a token size for the others
+# (step_target), and the few it cannot cut (no prompt to admit) run eagerly as they are. (1b
+# job, 8,192 rows x 16 tokens on an H200: padding every such step up the ladder cost 6.5% more
+# device time.)
 SMALL_STEP = 1024
 PAD_SHARE = 32
 
@@ -62,6 +69,24 @@ def token_sizes(budget: int, wanted: tuple[int, ...] | None) -> tuple[int, ...]:
     if wanted is None:
         return tuple(sorted({s for s in TOKEN_LADDER if s < budget} | {budget}))
     return tuple(sorted({s for s in wanted if s <= budget}))
+
+
+def step_target(sizes: Sequence[int], used: int, natural: int) -> int:
+    """Where a step should stop admitting prompts, given the token sizes with graphs (sorted):
+    it has `used` tokens scheduled, and admitting all it may would bring it to `natural`.
+    natural where that step replays a graph (small, or padded cheaply) or no size is near;
+    else the largest size above `used` and below natural, so the step replays that size's
+    graph unpadded and the rest of its last prompt goes to the next step (chunked prefill)."""
+    i = bisect.bisect_left(sizes, natural)
+    if i == 0 or i == len(sizes) or pads_cheaply(sizes[i], natural):
+        return natural
+    below = sizes[i - 1]
+    return below if below > used else natural
+
+
+def pads_cheaply(size: int, tokens: int) -> bool:
+    """Does a step of `tokens` replay the graph of token size `size` (>= tokens)?"""
+    return size <= SMALL_STEP or (size - tokens) * PAD_SHARE <= size
 
 
 class CaptureReport(NamedTuple):
@@ -138,7 +163,7 @@ class StepGraphs:
         if i == len(self.tokens):
             return None
         size = self.tokens[i]
-        if size > SMALL_STEP and (size - t) * PAD_SHARE > size:
+        if not pads_cheaply(size, t):
             return None  # too much padding for a step this long
         return self._token_pad(size)
 
@@ -183,7 +208,7 @@ class StepGraphs:
             with torch.inference_mode():
                 if pad.decode:  # a token size ran eagerly at its shape before (seen)
                     self._warm(pad)
-                self.graphs[pad] = self._capture(pad)
+                self.graphs[pad] = self._capture(pad, drain=False)
             return True
         except Exception as exc:  # the device stays usable; this size's steps run eagerly
             with contextlib.suppress(Exception):
@@ -202,6 +227,16 @@ class StepGraphs:
                 stacklevel=3,
             )
             return False
+
+    @contextlib.contextmanager
+    def _recording(self, graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+        """torch.cuda.graph without its device synchronize and cache release."""
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()
 
     def _padding_step(self, pad: Pad) -> HostStep:
         """An all-padding step of pad's shape, its inputs in the static buffer: valid inputs
@@ -222,15 +257,22 @@ class StepGraphs:
                 self.forward(self.static, host)
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def _capture(self, pad: Pad) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, pad: Pad, drain: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture an all-padding step of pad's shape. Only this thread's CUDA calls are
         checked while it captures: the engine's other threads (a grammar's mask fill waits on
-        a copy event) go on."""
-        host = self._padding_step(pad)
+        a copy event) go on. drain: first wait for the device and release the allocator's
+        cached memory (torch.cuda.graph's way, at start-up); else (between steps) the step in
+        flight runs on while this one is recorded, and the next eager step finds its memory
+        still cached."""
+        host = self._padding_step(pad)  # stream-ordered after the step in flight
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+        with (
+            torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            )
+            if drain
+            else self._recording(graph)
         ):
             logits = self.forward(self.static, host)
             if not pad.decode:  # every token size's logits in the first one's buffer

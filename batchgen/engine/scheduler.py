@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
@@ -59,6 +60,10 @@ class Scheduler:
         self._parents: list[Request] = []  # requests whose other samples wait for their prompt
         self.cache_stats = CacheStats()  # over first admissions (a preempted request's next
         # admission recomputes what it lost and is not counted again)
+        # (tokens scheduled, tokens admission would bring the step to) -> tokens to stop at
+        # (graphs.step_target); None: admit all that fits. Only with chunked prefill, which
+        # lets a step stop inside a prompt.
+        self.step_target: Callable[[int, int], int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -155,6 +160,27 @@ class Scheduler:
         return True
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Admit waiting requests into the step; -> the budget left."""
+        if self.step_target is None or not self.chunked or not self.waiting:
+            return self._admit_within(chunks, budget)
+        used = self.max_num_batched_tokens - budget
+        natural = used + self._admissible(budget)
+        target = self.step_target(used, natural)
+        if used < target < natural:  # the rest of the budget stays unspent
+            return self._admit_within(chunks, target - used) + used + budget - target
+        return self._admit_within(chunks, budget)
+
+    def _admissible(self, budget: int) -> int:
+        """The tokens _admit_within(budget) would take, if no request's blocks run out."""
+        total = 0
+        for request in itertools.islice(self.waiting, self.max_num_seqs - len(self.running)):
+            if request.num_pending or total >= budget:
+                break
+            cached = len(self.blocks.cached_prefix(request)) * self.blocks.block_size
+            total += request.num_tokens - request.num_computed_tokens - cached
+        return min(total, budget)
+
+    def _admit_within(self, chunks: list[ScheduledChunk], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:  # preempted with a token in flight: wait for its value
