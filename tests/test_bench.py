@@ -124,10 +124,28 @@ def test_idle_breakdown_puts_each_gap_where_it_falls() -> None:
     idle = idle_breakdown(timeline)
     assert idle == {
         "before_first_step": 2.0,
-        "next_to_eager_steps": 5.0,  # 10 -> 11 and 20 -> 24
+        "next_to_other_steps": 5.0,  # 10 -> 11 and 20 -> 24
         "between_decode_steps": 1.5,  # 27 -> 27.5 and 30 -> 31
         "after_last_step": 7.0,
     }
     busy = sum(start.elapsed_time(end) for start, end, _ in timeline.steps)
     assert busy + sum(idle.values()) == 40  # the run's span, all of it accounted for
     assert idle_breakdown(CudaTimeline()) == {}  # nothing recorded: nothing to split
+
+
+def test_job_path_rows_split_steps_into_decode_graphs_token_graphs_and_eager() -> None:
+    from batchgen.bench.job_path import _result, table
+
+    report = {  # CudaTimeline.report()'s: 12 steps not decode-graphed, 9 at token sizes
+        "gpu_idle_share": 0.01,
+        "first_launch": 1.5,
+        "last_launch": 9.0,
+        "busy_s": 7.0,
+        "graphed_steps": 30,
+        "other_steps": 12,
+        "token_graph_steps": 9,
+        "idle_ms": {"before_first_step": 1.0},
+    }
+    row = _result("engine alone (token ids)", 1.0, 10.0, 900, report)
+    assert (row.graphed_steps, row.token_graph_steps, row.eager_steps) == (30, 9, 3)
+    assert "| 30 / 9 / 3 |" in table("1b", 10, 90, [row], 32000)

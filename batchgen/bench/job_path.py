@@ -56,8 +56,9 @@ class PathResult(NamedTuple):
     head_s: float  # from the start to the first step's launch
     tail_s: float  # from the last step's launch to the end (its results written)
     busy_s: float  # GPU time inside the steps, all of them
-    graphed_steps: int
-    eager_steps: int  # prefill and mixed steps
+    graphed_steps: int  # decode steps replayed from their graphs
+    token_graph_steps: int  # steps with prefill chunks replayed from a token size's graph
+    eager_steps: int  # the other steps, launched op by op
     idle_ms: dict[str, float]  # GPU idle by where it falls (systems.idle_breakdown)
 
     @property
@@ -249,7 +250,8 @@ def _result(name: str, start: float, end: float, tokens: int, report: dict) -> P
         end - report["last_launch"],
         report["busy_s"],
         report["graphed_steps"],
-        report["eager_steps"],
+        report["token_graph_steps"],
+        report["other_steps"] - report["token_graph_steps"],
         report["idle_ms"],
     )
 
@@ -259,8 +261,9 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
     lines = [
         f"{shape}, {rows} rows x {new_tokens} new tokens, {vocab:,}-token vocabulary",
         "| path | output tok/s | x engine alone | GPU idle (steady decode) "
-        "| start -> first step s | last step -> end s | GPU busy s | steps graphed / eager "
-        "| GPU idle ms: before first step / next to eager steps / between decode steps / "
+        "| start -> first step s | last step -> end s | GPU busy s "
+        "| steps: decode graphs / token graphs / eager "
+        "| GPU idle ms: before first step / next to other steps / between decode steps / "
         "after last step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -269,7 +272,8 @@ def table(shape: str, rows: int, new_tokens: int, results: list[PathResult], voc
         ratio = r.tokens_per_s / alone.tokens_per_s
         lines.append(
             f"| {r.path} | {r.tokens_per_s:,.0f} | {ratio:.3f}x | {idle} | {r.head_s:.3f} "
-            f"| {r.tail_s:.3f} | {r.busy_s:.3f} | {r.graphed_steps} / {r.eager_steps} "
+            f"| {r.tail_s:.3f} | {r.busy_s:.3f} | {r.graphed_steps} / {r.token_graph_steps} "
+            f"/ {r.eager_steps} "
             f"| {' / '.join(f'{v:.1f}' for v in r.idle_ms.values()) or '-'} |"
         )
     return "\n".join(lines)

@@ -79,6 +79,7 @@ def run_batchgen(
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
         **step_breakdown(timeline.steps, seconds),
+        "token_graph_steps": timeline.token_graph_steps,
         "idle_ms": idle_breakdown(timeline),
     }
     idle = gpu_idle_share(timeline.steps)
@@ -99,10 +100,12 @@ def batchgen_name(config: EngineConfig) -> str:
 
 
 class CudaTimeline:
-    """The runner's step hook for a benchmark: (start, end, graphed) CUDA events per step."""
+    """The runner's step hook for a benchmark: (start, end, graphed) CUDA events per step
+    (graphed: a decode step's graph replayed), and how many steps were at token sizes."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self.token_graph_steps = 0  # steps with prefill chunks that replayed a graph
         self.first_launch: float | None = None  # perf_counter of the first step's launch
         self.last_launch: float | None = None  # ... and of the last step's
         self.opened: torch.cuda.Event | None = None  # the run's start and end on the device
@@ -111,6 +114,7 @@ class CudaTimeline:
     def open(self) -> None:
         """A run begins: the steps recorded so far (a warm-up's) are dropped."""
         self.steps, self.first_launch, self.last_launch = [], None, None
+        self.token_graph_steps = 0
         self.opened = _event()
 
     def close(self) -> None:
@@ -123,6 +127,7 @@ class CudaTimeline:
         torch.cuda.synchronize()
         return {
             **step_breakdown(self.steps, wall_s),
+            "token_graph_steps": self.token_graph_steps,
             "gpu_idle_share": gpu_idle_share(self.steps),
             "idle_ms": idle_breakdown(self),
             "busy_s": sum(s.elapsed_time(e) for s, e, _ in self.steps) / 1e3,
@@ -136,8 +141,9 @@ class CudaTimeline:
         self.last_launch = now
         return _event()
 
-    def end(self, mark: torch.cuda.Event, graphed: bool) -> None:
+    def end(self, mark: torch.cuda.Event, graphed: bool, token_graph: bool = False) -> None:
         self.steps.append((mark, _event(), graphed))
+        self.token_graph_steps += token_graph
 
 
 def _event() -> torch.cuda.Event:
@@ -147,35 +153,36 @@ def _event() -> torch.cuda.Event:
 
 
 def step_breakdown(timeline: list, wall_s: float) -> dict:
-    """Where the GPU time went: graphed decode steps vs eager (prefill / mixed) steps."""
+    """Where the GPU time went: graphed decode steps vs the other steps (those with prefill
+    chunks, whether they replay a token size's graph or run eagerly)."""
     graphed = [s.elapsed_time(e) for s, e, g in timeline if g]
-    eager = [s.elapsed_time(e) for s, e, g in timeline if not g]
+    other = [s.elapsed_time(e) for s, e, g in timeline if not g]
     return {
         "graphed_steps": len(graphed),
         "graphed_step_ms": round(statistics.fmean(graphed), 3) if graphed else None,
-        "eager_steps": len(eager),
-        "eager_s": round(sum(eager) / 1e3, 3),
-        "gpu_busy_share": round((sum(graphed) + sum(eager)) / 1e3 / wall_s, 3),
+        "other_steps": len(other),
+        "other_s": round(sum(other) / 1e3, 3),
+        "gpu_busy_share": round((sum(graphed) + sum(other)) / 1e3 / wall_s, 3),
     }
 
 
 def idle_breakdown(timeline: CudaTimeline) -> dict[str, float]:
     """The run's GPU idle time (ms) by where it falls: before the first step, in the gaps next
-    to an eager (prefill or mixed) step, between graphed decode steps, after the last step.
+    to another (prefill or mixed) step, between graphed decode steps, after the last step.
     Their sum and the steps' own time make up the run's device time between open and close."""
     steps = timeline.steps
     if not steps or timeline.opened is None or timeline.closed is None:
         return {}
-    near_eager = between_decodes = 0.0
+    near_other = between_decodes = 0.0
     for (_, end, graphed), (start, _, next_graphed) in pairwise(steps):
         gap = end.elapsed_time(start)
         if graphed and next_graphed:
             between_decodes += gap
         else:
-            near_eager += gap
+            near_other += gap
     return {
         "before_first_step": round(timeline.opened.elapsed_time(steps[0][0]), 1),
-        "next_to_eager_steps": round(near_eager, 1),
+        "next_to_other_steps": round(near_other, 1),
         "between_decode_steps": round(between_decodes, 1),
         "after_last_step": round(steps[-1][1].elapsed_time(timeline.closed), 1),
     }

@@ -123,6 +123,7 @@ class Begun(NamedTuple):
     logits: torch.Tensor  # [S, vocab] of the sampled rows, padding rows included
     mark: Any  # the step hook's begin() value
     graphed: bool  # a decode step replayed from its graph
+    token_graph: bool  # a step at a token size, which replays that size's graph (graphs.py)
     num_samples: int  # real sampled rows (the first ones)
 
 
@@ -131,7 +132,7 @@ class StepHook(Protocol):
 
     def begin(self) -> Any: ...
 
-    def end(self, mark: Any, graphed: bool) -> None: ...
+    def end(self, mark: Any, graphed: bool, token_graph: bool = False) -> None: ...
 
 
 class ModelRunner:
@@ -226,7 +227,8 @@ class ModelRunner:
             self._penalty_state().update_known(sampling)
         logits = self.graphs.replay(flat, host) if pad else self.forward(flat, host)
         decode_graph = pad is not None and pad.decode
-        return Begun(host, sampling, logits, mark, decode_graph, batch.num_samples)
+        token_graph = pad is not None and not pad.decode
+        return Begun(host, sampling, logits, mark, decode_graph, token_graph, batch.num_samples)
 
     @torch.inference_mode()
     def sample(self, begun: Begun, mask: torch.Tensor | None = None) -> StepOutput:
@@ -240,7 +242,7 @@ class ModelRunner:
             )
             self.relay[sampling.slots] = tokens
         if self.step_hook is not None:
-            self.step_hook.end(begun.mark, graphed=begun.graphed)
+            self.step_hook.end(begun.mark, begun.graphed, begun.token_graph)
         real = begun.num_samples
         return self.transfer.finish(tokens[:real], None if logprobs is None else logprobs[:real])
 

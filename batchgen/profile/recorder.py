@@ -178,10 +178,10 @@ class StepRecorder:
         self._begin[-1] = self._ms(time.perf_counter())
         return self.clock.begin() if self.clock is not None else None
 
-    def end(self, mark: Any, graphed: bool) -> None:
+    def end(self, mark: Any, graphed: bool, token_graph: bool = False) -> None:
         step = len(self._end) - 1
         self._end[step] = self._ms(time.perf_counter())
-        self._graphed[step] = graphed
+        self._graphed[step] = graphed or token_graph
         self._launched.append(step)
         if self.clock is not None:
             self.clock.end(step, mark)
