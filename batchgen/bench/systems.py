@@ -78,8 +78,7 @@ def run_batchgen(
         "graph_capture_s": graphs.report.seconds if graphs else None,
         "graph_pool_gib": graphs.report.pool_bytes / 2**30 if graphs else None,
         "preemptions": engine.scheduler.num_preemptions,
-        **step_breakdown(timeline.steps, seconds),
-        "token_graph_steps": timeline.token_graph_steps,
+        **step_breakdown(timeline, seconds),
         "idle_ms": idle_breakdown(timeline),
     }
     idle = gpu_idle_share(timeline.steps)
@@ -126,8 +125,7 @@ class CudaTimeline:
         step's launch (perf_counter: the same clock in every process of the machine)."""
         torch.cuda.synchronize()
         return {
-            **step_breakdown(self.steps, wall_s),
-            "token_graph_steps": self.token_graph_steps,
+            **step_breakdown(self, wall_s),
             "gpu_idle_share": gpu_idle_share(self.steps),
             "idle_ms": idle_breakdown(self),
             "busy_s": sum(s.elapsed_time(e) for s, e, _ in self.steps) / 1e3,
@@ -152,16 +150,18 @@ def _event() -> torch.cuda.Event:
     return event
 
 
-def step_breakdown(timeline: list, wall_s: float) -> dict:
+def step_breakdown(timeline: CudaTimeline, wall_s: float) -> dict:
     """Where the GPU time went: graphed decode steps vs the other steps (those with prefill
-    chunks, whether they replay a token size's graph or run eagerly)."""
-    graphed = [s.elapsed_time(e) for s, e, g in timeline if g]
-    other = [s.elapsed_time(e) for s, e, g in timeline if not g]
+    chunks, whether they replay a token size's graph or run eagerly; token_graph_steps of
+    them replay one)."""
+    graphed = [s.elapsed_time(e) for s, e, g in timeline.steps if g]
+    other = [s.elapsed_time(e) for s, e, g in timeline.steps if not g]
     return {
         "graphed_steps": len(graphed),
         "graphed_step_ms": round(statistics.fmean(graphed), 3) if graphed else None,
         "other_steps": len(other),
         "other_s": round(sum(other) / 1e3, 3),
+        "token_graph_steps": timeline.token_graph_steps,
         "gpu_busy_share": round((sum(graphed) + sum(other)) / 1e3 / wall_s, 3),
     }
 

@@ -25,7 +25,7 @@ from batchgen.engine.graphs import StepGraphs, token_sizes
 from batchgen.engine.model_loader import ModelShape
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
-from batchgen.engine.step_inputs import HostStep, StepPacker
+from batchgen.engine.step_inputs import HostStep, Pad, StepPacker
 from batchgen.engine.step_layout import Layout, SamplingInputs, unpack_sampling, unpack_step
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
@@ -122,8 +122,7 @@ class Begun(NamedTuple):
     sampling: SamplingInputs
     logits: torch.Tensor  # [S, vocab] of the sampled rows, padding rows included
     mark: Any  # the step hook's begin() value
-    graphed: bool  # a decode step replayed from its graph
-    token_graph: bool  # a step at a token size, which replays that size's graph (graphs.py)
+    pad: Pad | None  # the padded shape whose graph the step replays (graphs.py), or None
     num_samples: int  # real sampled rows (the first ones)
 
 
@@ -226,9 +225,7 @@ class ModelRunner:
         if host.flags.any_penalty or host.layout.R:
             self._penalty_state().update_known(sampling)
         logits = self.graphs.replay(flat, host) if pad else self.forward(flat, host)
-        decode_graph = pad is not None and pad.decode
-        token_graph = pad is not None and not pad.decode
-        return Begun(host, sampling, logits, mark, decode_graph, token_graph, batch.num_samples)
+        return Begun(host, sampling, logits, mark, pad, batch.num_samples)
 
     @torch.inference_mode()
     def sample(self, begun: Begun, mask: torch.Tensor | None = None) -> StepOutput:
@@ -242,7 +239,8 @@ class ModelRunner:
             )
             self.relay[sampling.slots] = tokens
         if self.step_hook is not None:
-            self.step_hook.end(begun.mark, begun.graphed, begun.token_graph)
+            decode = begun.pad is not None and begun.pad.decode
+            self.step_hook.end(begun.mark, decode, begun.pad is not None and not decode)
         real = begun.num_samples
         return self.transfer.finish(tokens[:real], None if logprobs is None else logprobs[:real])
 
