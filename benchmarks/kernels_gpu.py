@@ -21,12 +21,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from batchgen.bench.roof import H200_REFERENCE
 from batchgen.engine.attention import AttentionMetadata, KVCache, LayerSpec, ReferenceBackend
 from batchgen.engine.attention.triton import TritonBackend
 from batchgen.engine.kernels import paged_decode, paged_prefill, plan_decode_splits, write_kv
 
-PEAK_BW = 4.25e12  # bytes/s, H200 device copy (read + write)
-PEAK_FLOPS = 790e12  # bf16 matmul
+PEAK_BW = H200_REFERENCE.copy_bandwidth  # bytes/s, device copy (read + write)
+PEAK_FLOPS = H200_REFERENCE.matmul_peak  # bf16 matmul
 BLOCK = 16
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # (heads, kv heads, head_dim)
 REF_ROWS = 32  # decode rows checked against the reference (the oracle is slow and big)

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.bench import run
+from batchgen.bench.roof import H200_REFERENCE, DeviceRoof
 from batchgen.bench.run import table
 from batchgen.bench.systems import CudaTimeline, RunResult, batchgen_name, idle_breakdown
 from batchgen.bench.workloads import SHAPES, WORKLOADS, roofline_seconds
@@ -36,6 +37,51 @@ def test_reuse_computes_the_shared_prefix_once() -> None:
     )
     assert many == pytest.approx(alone)
     assert bound("1b", "W4", reuse=True) < 0.5 * bound("1b", "W4", reuse=False)
+
+
+def test_bound_divides_by_the_device_figures_given() -> None:
+    """Half the bandwidth doubles each bandwidth-bound decode step; half the matmul rate
+    doubles the prefill and leaves bandwidth-bound steps as they were."""
+    shape, lens = (
+        SHAPES["8b"],
+        [300] * 4,
+    )  # 4 rows: every decode step reads far more than it computes
+    ref = H200_REFERENCE
+    slow_copy = DeviceRoof(ref.copy_bandwidth / 2, ref.matmul_peak, "half the bandwidth")
+    slow_mm = DeviceRoof(ref.copy_bandwidth, ref.matmul_peak / 2, "half the matmul rate")
+    prefill = roofline_seconds(shape, lens, 0)
+    decode = roofline_seconds(shape, lens, 64) - prefill
+    assert roofline_seconds(shape, lens, 0, roof=slow_mm) == pytest.approx(2 * prefill)
+    assert roofline_seconds(shape, lens, 64, roof=slow_copy) == pytest.approx(prefill + 2 * decode)
+    assert roofline_seconds(shape, lens, 64, roof=slow_mm) == pytest.approx(2 * prefill + decode)
+    assert roofline_seconds(shape, lens, 64) == roofline_seconds(shape, lens, 64, roof=ref)
+
+
+def test_table_names_its_figures_and_the_reference_share() -> None:
+    report = {
+        "shape": "8b",
+        "workload": "W1",
+        "requests": 1,
+        "roofline_s": 3.0,
+        "rooflines": {"bf16": 3.0, "fp8": 2.0},
+        "roof": "NVIDIA H100 80GB HBM3, measured: device copy 3.00 TB/s, bf16 matmul 700 TFLOP/s",
+        "reference_rooflines": {"bf16": 2.0, "fp8": 1.5},
+        "infos": {},
+        "results": [
+            result("batchgen overlapped", [[1, 2]], 4.0, None),
+            result("batchgen overlapped [fp8]", [[1, 2]], 3.0, None),
+            result("HF generate", [[1, 2]], 40.0, None),
+        ],
+    }
+    text = table(report)
+    assert text.splitlines()[0] == f"8b W1 (1 requests), roofline 3.00 s ({report['roof']})"
+    assert "| batchgen overlapped | 0 | 10.00x | 75.0% |" in text
+    assert "| batchgen overlapped [fp8] | 1 | 13.33x | 66.7% |" in text
+    line = next(x for x in text.splitlines() if "reference" in x)
+    assert line == (
+        "- of roofline at the H200 reference: device copy 4.25 TB/s, bf16 matmul 790 TFLOP/s: "
+        "batchgen overlapped 50.0%; batchgen overlapped [fp8] 50.0%"
+    )
 
 
 def result(name: str, tokens: list[list[int]], seconds: float, hits: float | None) -> RunResult:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.bench.roof import H200_REFERENCE, measure_roof
 from batchgen.bench.systems import (
     RunResult,
     build_model,
@@ -56,12 +57,15 @@ def run_bench(
     if requests is not None:
         workload = replace(workload, requests=requests)
     prompts = workload.prompts(shape.vocab)
+    roof = measure_roof()  # before the model takes the GPU's memory
+    print(f"roofline figures: {roof.describe()}", flush=True)
     model = build_model(shape)
     modes = PREFIX_CACHING[prefix_caching] if prefix_caching else (config.enable_prefix_caching,)
     lens = [len(p) for p in prompts]
     results: list[RunResult] = []
     infos: dict[str, dict] = {}
     bounds: dict[str, float] = {}
+    reference: dict[str, float] = {}
     for name in (p for p in PRECISIONS if p in precisions):
         precision = PRECISIONS[name]
         if precision.weights_fp8 and not is_quantized(model):
@@ -77,9 +81,9 @@ def run_bench(
             info["hf_teacher_forced"] = teacher_forced_agreement(model, prompts, first.tokens)
         results += done
         infos.update(info)
-        bounds[name] = roofline_seconds(
-            shape, lens, workload.output_tokens, workload.shared_prefix, precision
-        )
+        args = (shape, lens, workload.output_tokens, workload.shared_prefix, precision)
+        bounds[name] = roofline_seconds(*args, roof)
+        reference[name] = roofline_seconds(*args, H200_REFERENCE)
     return {
         "shape": shape_name,
         "workload": workload.name,
@@ -88,6 +92,8 @@ def run_bench(
         "infos": infos,
         "roofline_s": bounds.get("bf16", next(iter(bounds.values()))),
         "rooflines": bounds,
+        "roof": roof.describe(),
+        "reference_rooflines": reference,
     }
 
 
@@ -133,7 +139,7 @@ def table(report: dict) -> str:
     best_hf = max(hf) if hf else None
     lines = [
         f"{report['shape']} {report['workload']} ({report['requests']} requests), roofline "
-        f"{report['roofline_s']:.2f} s",
+        f"{report['roofline_s']:.2f} s" + (f" ({report['roof']})" if "roof" in report else ""),
         "| system | output tok/s | x best HF | of roofline | GPU idle (steady decode) "
         "| TTFT p50 / p90 / p99 s | prefix cache hits |",
         "|---|---|---|---|---|---|---|",
@@ -154,10 +160,28 @@ def table(report: dict) -> str:
             f"{bound / r.seconds:.1%} | {idle} | {ttft} | {hits} |"
         )
     lines += _agreement(results)
+    lines += _reference_lines(results, report.get("reference_rooflines"))
     lines += _fp8_lines(results, rooflines, report["infos"])
     for system, info in report["infos"].items():
         lines.append(f"- {system}: {json.dumps(info)}")
     return "\n".join(lines)
+
+
+def _reference_lines(results: list[RunResult], reference: dict | None) -> list[str]:
+    """Each batchgen run's share of the roofline at the H200 reference figures, which the
+    tables recorded before the bench measured its own device used."""
+    if not reference:
+        return []
+    shares = [
+        f"{r.system} {reference[_precision_of(r.system)] / r.seconds:.1%}"
+        for r in results
+        if r.system.startswith("batchgen") and _precision_of(r.system) in reference
+    ]
+    return (
+        [f"- of roofline at the {H200_REFERENCE.describe()}: " + "; ".join(shares)]
+        if shares
+        else []
+    )
 
 
 def _precision_of(system: str) -> str:

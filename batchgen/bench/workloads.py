@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-COPY_BANDWIDTH = 4.25e12  # bytes/s, device copy (read + write) measured on the H200
-MATMUL_PEAK = 790e12  # bf16 FLOP/s measured on the H200
+from batchgen.bench.roof import H200_REFERENCE, DeviceRoof
+
 BYTES = 2  # bf16
 FP8_BYTES = 1
 FP8_PEAK_FACTOR = 2  # FP8 tensor-core FLOP/s over bf16 on Hopper (dense)
@@ -114,6 +114,7 @@ def roofline_seconds(
     output_tokens: int,
     shared_prefix: int = 0,
     precision: Precision = Precision(),
+    roof: DeviceRoof = H200_REFERENCE,
 ) -> float:
     """Prefill as compute, then each decode step of all requests at once as
     max(bytes / bandwidth, flops / peak); bytes = weights + lm_head + the KV cache read.
@@ -122,10 +123,11 @@ def roofline_seconds(
     once (what prefix caching makes possible) and each prompt's own tokens attend to them.
     Decode still reads every request's whole context, the shared prefix included.
     FP8 (precision): weights and KV at their FP8 sizes; matmul FLOPs at the FP8 peak.
+    roof: the device's copy bandwidth and bf16 matmul rate (the bench measures its own).
     """
-    peak = MATMUL_PEAK * (FP8_PEAK_FACTOR if precision.weights_fp8 else 1)
+    peak = roof.matmul_peak * (FP8_PEAK_FACTOR if precision.weights_fp8 else 1)
     return _prefill_seconds(shape, prompt_lens, shared_prefix, peak) + _decode_seconds(
-        shape, prompt_lens, output_tokens, precision, peak
+        shape, prompt_lens, output_tokens, precision, peak, roof.copy_bandwidth
     )
 
 
@@ -134,7 +136,7 @@ def _attn_flops_per_pair(shape: Shape) -> int:
 
 
 def _prefill_seconds(
-    shape: Shape, prompt_lens: list[int], shared_prefix: int, peak: float = MATMUL_PEAK
+    shape: Shape, prompt_lens: list[int], shared_prefix: int, peak: float
 ) -> float:
     """Compute for P shared tokens once, then per prompt its s own tokens: 2 x params x s
     matmul flops and attention over s x P + s^2 / 2 (query, key) pairs."""
@@ -153,6 +155,7 @@ def _decode_seconds(
     output_tokens: int,
     precision: Precision,
     peak: float,
+    bandwidth: float,
 ) -> float:
     n = len(prompt_lens)
     pair = _attn_flops_per_pair(shape)
@@ -162,5 +165,5 @@ def _decode_seconds(
         ctx += n
         nbytes = shape.weight_bytes(precision) + ctx * shape.kv_bytes(precision)
         flops = 2 * shape.matmul_params * n + pair * ctx
-        total += max(nbytes / COPY_BANDWIDTH, flops / peak)
+        total += max(nbytes / bandwidth, flops / peak)
     return total
