@@ -429,7 +429,8 @@ def test_a_refused_model_leaves_no_device_memory(model_dir) -> None:
 def test_roofline_figures_are_measured_on_this_gpu_and_leave_its_memory_free() -> None:
     """The bench's roofline divides by this GPU's copy bandwidth and matmul rate: figures of a
     real device (a copy is at most the spec's read + write, a matmul at most dense peak), and
-    the buffers timed are given back before the engine sizes its KV cache."""
+    the buffers timed (1 GiB each for the copy) are given back before the engine sizes its KV
+    cache; only cuBLAS's workspace may stay."""
     from batchgen.bench.roof import measure_roof
 
     reserved = torch.cuda.memory_reserved()
@@ -437,4 +438,4 @@ def test_roofline_figures_are_measured_on_this_gpu_and_leave_its_memory_free() -
     assert 0.1e12 < roof.copy_bandwidth < 10e12
     assert 10e12 < roof.matmul_peak < 2500e12
     assert torch.cuda.get_device_name() in roof.source
-    assert torch.cuda.memory_reserved() <= reserved
+    assert torch.cuda.memory_reserved() <= reserved + (64 << 20)
