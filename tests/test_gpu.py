@@ -156,9 +156,15 @@ def test_bf16_overlap_equals_sync_and_capture_report(model_dir) -> None:
     assert tokens(a, prompts, params) == tokens(b, prompts, params)
 
 
-def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir) -> None:
-    """first_use captures the largest size at start-up and each other size before its first
-    step, between overlapped steps: the tokens and logprobs are those of start-up graphs."""
+def test_graphs_captured_on_first_use_equal_those_captured_at_startup(
+    model_dir, monkeypatch
+) -> None:
+    """first_use captures the largest size at start-up and (with CAPTURE_AT_STEP 1) each other
+    size before its first step, between overlapped steps: the tokens and logprobs are those of
+    start-up graphs."""
+    from batchgen.engine import graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "CAPTURE_AT_STEP", 1)
     path = model_dir("llama")
     prompts = random_prompts(40, 2, 100, 1000, seed=11)
     items = [
@@ -185,6 +191,54 @@ def test_graphs_captured_on_first_use_equal_those_captured_at_startup(model_dir)
     lazy = engines[0].runner.graphs
     assert len(lazy.graphs) > 4 and not lazy.eager  # the shrinking batch met several sizes
     assert any(not pad.decode for pad in lazy.graphs)  # a token size met twice
+
+
+def test_decode_sizes_met_a_few_times_replay_a_larger_graph(model_dir) -> None:
+    """first_use: a decode size replays the smallest larger graph captured until its
+    CAPTURE_AT_STEP-th step, then its own: tokens equal to an engine without graphs, and only
+    sizes met that often (and the largest) are captured."""
+    import collections
+    import warnings
+
+    from batchgen.engine.graphs import CAPTURE_AT_STEP
+
+    path = model_dir("llama")
+    prompts = random_prompts(32, 20, 60, 1000, seed=13)
+    # pairs of rows end one step apart (sizes 24, 16 and 8 meet a few steps each), the last
+    # four run on long enough for size 4 to reach its capture step
+    lengths = [2 + i // 2 for i in range(28)] + [40] * 4
+    items = [
+        Prompt(p, sampling={"max_new_tokens": n, "ignore_eos": True})
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    settings = {"dtype": "float32", "max_num_seqs": 32, "check_model": False}
+    params = SamplingParams()
+    eager = tokens(cuda_engine(path, cuda_graphs=False, **settings), items, params)
+    engine = cuda_engine(path, **settings)
+    graphs = engine.runner.graphs
+    met, replayed = collections.Counter(), collections.Counter()
+    padded_size, replay = graphs.padded_size, graphs.replay
+
+    def chosen(batch):
+        pad = padded_size(batch)
+        if pad is not None and pad.decode:
+            met[graphs._decode_pad(next(s for s in graphs.sizes if s >= len(batch.chunks)))] += 1
+        return pad
+
+    def replayed_at(flat, host):
+        replayed[host.layout.B] += 1
+        return replay(flat, host)
+
+    graphs.padded_size, graphs.replay = chosen, replayed_at
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture that failed would warn
+        assert tokens(engine, items, params) == eager
+    captured = {pad for pad in graphs.graphs if pad.decode}
+    largest = graphs._decode_pad(graphs.sizes[-1])
+    assert captured == {p for p, n in met.items() if n >= CAPTURE_AT_STEP} | {largest}
+    assert any(n < CAPTURE_AT_STEP for n in met.values())  # a size that never got its graph
+    assert replayed[largest.B] > met[largest]  # ... replayed the largest graph instead
+    assert met[graphs._decode_pad(4)] >= CAPTURE_AT_STEP  # and one captured between steps
 
 
 def test_steps_stopped_at_token_sizes_replay_graphs_captured_between_steps(model_dir) -> None:

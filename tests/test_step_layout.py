@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from itertools import pairwise
 
 import pytest
@@ -294,6 +295,32 @@ def test_graph_shapes_chosen_for_steps_bound_their_padding() -> None:
     assert graphs.padded_size(step(2049)) is None
     assert graphs.padded_size(step(4097)) is None  # above every token size
     assert graphs.padded_size(Batch([], 0)) is None
+
+
+def test_first_use_decode_sizes_borrow_a_larger_graph_until_their_capture_step() -> None:
+    """A decode size without its graph replays the smallest larger graph captured for its
+    first CAPTURE_AT_STEP - 1 steps, then its own pad (replay captures it); a size whose graph
+    exists, or whose capture failed, or with no larger graph, keeps its own pad."""
+    from batchgen.engine.graphs import CAPTURE_AT_STEP, StepGraphs
+    from batchgen.engine.scheduler import Batch, ScheduledChunk
+    from batchgen.engine.step_inputs import Pad
+
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.sizes, graphs.tokens, graphs.max_seqs = [1, 2, 4, 8, 16], [256], 16
+    graphs.first_use, graphs.borrowed = True, collections.Counter()
+    graphs.graphs, graphs.eager = {Pad(8, 8, 8): None, Pad(16, 16, 16): None}, {Pad(2, 2, 2)}
+
+    def decode(rows: int) -> Batch:
+        return Batch([ScheduledChunk(None, 0, 1, True, False)] * rows, rows)
+
+    chosen = [graphs.padded_size(decode(3)) for _ in range(CAPTURE_AT_STEP + 1)]
+    assert chosen == [Pad(8, 8, 8)] * (CAPTURE_AT_STEP - 1) + [Pad(4, 4, 4)] * 2
+    assert graphs.padded_size(decode(5)) == Pad(8, 8, 8)  # its own graph
+    assert graphs.padded_size(decode(2)) == Pad(2, 2, 2)  # capture failed: runs eagerly
+    graphs.graphs = {}
+    assert graphs.padded_size(decode(9)) == Pad(16, 16, 16)  # nothing larger to borrow
+    graphs.first_use = False
+    assert graphs.padded_size(decode(1)) == Pad(1, 1, 1)
 
 
 def test_steps_stop_admitting_at_a_token_size_where_padding_would_cost() -> None:

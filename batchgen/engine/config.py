@@ -44,8 +44,9 @@ class EngineConfig:
         default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     )
     # when decode graphs are captured: "first_use" = the largest size at start-up (its memory
-    # pool serves all sizes), each other size before its first step (a job's first rows come
-    # ~1-2 s sooner; the job's total is the same); "startup" = every size before the first step
+    # pool serves all sizes), each other size at its 8th step, its steps before that padded to
+    # a larger size's graph (a job's first rows come ~1-2 s sooner, and its whole run ends
+    # sooner); "startup" = every size before the first step
     cuda_graph_capture: str = "first_use"
     # token counts that steps with prefill chunks are padded to and replayed at from CUDA
     # graphs (those above the token budget dropped); None = about 1.5x apart from 256 up to

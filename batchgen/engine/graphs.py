@@ -18,9 +18,10 @@ step's forward is launched op by op, which on a 1b model takes longer on the hos
 device takes to run it.
 
 The largest decode size is captured at start-up, and with it the memory pool all graphs share.
-The other decode sizes are captured at start-up too, or (first_use) just before the first step
-that needs them: a job's start-up then skips most of the capture (1.3-1.9 s on an 8b model),
-which its tail pays later, one size at a time. Token sizes are captured at start-up
+The other decode sizes are captured at start-up too, or (first_use) before their
+CAPTURE_AT_STEP-th step, the steps before it replaying the smallest larger graph captured: a
+job's start-up then skips most of the capture (1.3-1.9 s on an 8b model), and sizes met only
+a few times (a job's last steps) cost padding rows instead of captures. Token sizes are captured at start-up
 ("startup"), or (first_use) at their second step: the first runs eagerly at the padded shape,
 which warms what the capture records (kernel compiles, GEMM choices), so a token size met once
 costs nothing extra. The steps of all token sizes return their logits in one buffer (the first
@@ -37,6 +38,7 @@ import bisect
 import contextlib
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -61,6 +63,13 @@ TOKEN_LADDER = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12
 # device time.)
 SMALL_STEP = 1024
 PAD_SHARE = 32
+# first_use: a decode size without its graph replays the smallest captured decode graph above
+# it until its CAPTURE_AT_STEP-th step, which captures its own. Padding rows cost device time
+# on every step (at most ~7 ms on an 8b model: a 256-row step against a few rows); a capture
+# costs the host a warm-up forward and the recording while the device waits (~50 ms on 8b),
+# so a size met a few times (the shrinking tail of a job: 192, 128, 96, 32, 16, 4 and 2
+# sequences, one step each, end a 1,024 x 256 job) is cheaper padded than captured.
+CAPTURE_AT_STEP = 8
 
 
 def token_sizes(budget: int, wanted: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -99,8 +108,10 @@ class StepGraphs:
     """forward: the runner's forward pass (capturable for padded layouts); pad_slot: the relay
     slot padding uses; sizes: decode batch sizes, those above limit dropped; tokens: token
     sizes of steps with prefill chunks (token_sizes); max_seqs: the most sequences a step
-    has; first_use: capture all but the largest decode size before their first step (and
-    token sizes at their second), not now."""
+    has; first_use: capture all but the largest decode size at their CAPTURE_AT_STEP-th
+    step (and token sizes at their second), not now."""
+
+    first_use = False  # (set per instance; here for choosers built without a device)
 
     def __init__(
         self,
@@ -124,6 +135,7 @@ class StepGraphs:
         self.graphs: dict[Pad, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager: set[Pad] = set()  # pads whose capture failed: their steps run eagerly
         self.seen: set[Pad] = set()  # token pads run once eagerly (first_use)
+        self.borrowed: Counter[Pad] = Counter()  # decode pads' steps on a larger graph (first_use)
         self.first_use = first_use
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)  # every capture's (warmed once, then reused)
@@ -156,7 +168,7 @@ class StepGraphs:
         if t == b and batch.num_samples == b:
             i = bisect.bisect_left(self.sizes, b)
             if i < len(self.sizes):
-                return self._decode_pad(self.sizes[i])
+                return self._decode_step_pad(i)
         if b > self.max_seqs or batch.num_samples > self.max_seqs:
             return None
         i = bisect.bisect_left(self.tokens, t)
@@ -166,6 +178,18 @@ class StepGraphs:
         if not pads_cheaply(size, t):
             return None  # too much padding for a step this long
         return self._token_pad(size)
+
+    def _decode_step_pad(self, i: int) -> Pad:
+        """The pad of a decode step whose size is sizes[i]: its own, or (first_use, before its
+        CAPTURE_AT_STEP-th step) the smallest larger one with a graph. Counts the step."""
+        pad = self._decode_pad(self.sizes[i])
+        if not self.first_use or pad in self.graphs or pad in self.eager:
+            return pad
+        self.borrowed[pad] += 1
+        if self.borrowed[pad] >= CAPTURE_AT_STEP:
+            return pad  # replay() captures it
+        larger = (self._decode_pad(s) for s in self.sizes[i + 1 :])
+        return next((p for p in larger if p in self.graphs), pad)
 
     def replay(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
         """The step's logits, by its graph (captured now if this is its size's first step, or
