@@ -142,6 +142,39 @@ def test_padded_decode_steps_give_the_same_tokens(model_dir) -> None:
         assert got[str(i)] == hf_greedy(path, prompt, 16), f"request {i}"
 
 
+def test_decode_steps_on_a_larger_graph_give_the_same_tokens(model_dir) -> None:
+    """first_use: a decode size without its graph takes the padded shape of the largest one
+    (up to 7 padding rows here) until its capture step: the real rows' tokens are unchanged,
+    greedy (Hugging Face's) and sampled (an engine without padding)."""
+    import collections
+
+    from batchgen.engine.graphs import CAPTURE_AT_STEP
+    from batchgen.engine.step_inputs import Pad
+
+    path = model_dir("llama")
+    prompts = random_prompts(7, 3, 30, VOCAB_LOW, seed=22)
+    limits = [3 + 4 * i for i in range(len(prompts))]  # the batch shrinks to 4, 2, 1 rows
+    settings = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 8}
+    greedy = [Prompt(p, sampling={"max_new_tokens": n, "ignore_eos": True})
+              for p, n in zip(prompts, limits, strict=True)]  # fmt: skip
+    sampled = [Prompt(p, sampling={"max_new_tokens": n, "ignore_eos": True, "temperature": 0.9,
+                                   "top_p": 0.9, "seed": i})
+               for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
+    unpadded = run(engine_for(path, **settings), sampled, SamplingParams())
+    engine = engine_for(path, **settings)
+    graphs = engine.runner.graphs = EagerPadding(engine.runner, (2, 4, 8))
+    graphs.first_use, graphs.borrowed = True, collections.Counter()
+    graphs.graphs, graphs.eager = {Pad(8, 8, 8): None}, set()  # the largest "captured"
+    got = run(engine, greedy, SamplingParams())
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(path, prompt, limits[i]), f"request {i}"
+    # sizes 4 and 2 took the largest's shape for CAPTURE_AT_STEP - 1 steps each, then their own
+    assert graphs.borrowed[Pad(4, 4, 4)] > CAPTURE_AT_STEP < graphs.borrowed[Pad(2, 2, 2)]
+    assert (4, 4, 4) in graphs.replays and (2, 2, 2) in graphs.replays
+    assert graphs.replays.count((8, 8, 8)) >= 2 * (CAPTURE_AT_STEP - 1)
+    assert run(engine, sampled, SamplingParams()) == unpadded
+
+
 def test_steps_stopped_at_graph_sizes(model_dir) -> None:
     """A GPU engine with token graphs stops admitting prompts at a token size (step_target),
     cutting a prompt between two steps: the tokens stay Hugging Face's."""
