@@ -21,8 +21,8 @@ The largest decode size is captured at start-up, and with it the memory pool all
 The other decode sizes are captured at start-up too, or (first_use) before their
 CAPTURE_AT_STEP-th step, the steps before it replaying the smallest larger graph captured: a
 job's start-up then skips most of the capture (1.3-1.9 s on an 8b model), and sizes met only
-a few times (a job's last steps) cost padding rows instead of captures. Token sizes are captured at start-up
-("startup"), or (first_use) at their second step: the first runs eagerly at the padded shape,
+a few times (a job's last steps) cost padding rows instead of captures. Token sizes are
+captured at start-up ("startup"), or (first_use) at their second step: the first runs eagerly at the padded shape,
 which warms what the capture records (kernel compiles, GEMM choices), so a token size met once
 costs nothing extra. The steps of all token sizes return their logits in one buffer (the first
 such graph's), so their outputs do not each hold memory. Captures at start-up wait for the
@@ -111,7 +111,7 @@ class StepGraphs:
     has; first_use: capture all but the largest decode size at their CAPTURE_AT_STEP-th
     step (and token sizes at their second), not now."""
 
-    first_use = False  # (set per instance; here for choosers built without a device)
+    first_use = False  # __init__ sets it; the default serves instances made without one
 
     def __init__(
         self,
@@ -193,7 +193,7 @@ class StepGraphs:
 
     def replay(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
         """The step's logits, by its graph (captured now if this is its size's first step, or
-        a token size's second under first_use)."""
+        under first_use a decode size's CAPTURE_AT_STEP-th or a token size's second)."""
         layout = host.layout
         pad = Pad(layout.T, layout.B, layout.S)
         if pad not in self.graphs:
