@@ -20,16 +20,17 @@ device takes to run it.
 The largest decode size is captured at start-up, and with it the memory pool all graphs share.
 The other decode sizes are captured at start-up too, or (first_use) before their
 CAPTURE_AT_STEP-th step, the steps before it replaying the smallest larger graph captured: a
-job's start-up then skips most of the capture (1.3-1.9 s on an 8b model), and sizes met only
-a few times (a job's last steps) cost padding rows instead of captures. Token sizes are
-captured at start-up ("startup"), or (first_use) at their second step: the first runs eagerly at the padded shape,
-which warms what the capture records (kernel compiles, GEMM choices), so a token size met once
-costs nothing extra. The steps of all token sizes return their logits in one buffer (the first
-such graph's), so their outputs do not each hold memory. Captures at start-up wait for the
-device and release the allocator's cache (torch.cuda.graph); one between steps is recorded
-while the step in flight runs on (its padding inputs reach the static buffer in stream order,
-after that step has read it), and keeps the cache the next eager step allocates from. A capture
-that fails leaves that size to run eagerly (the same inputs, padding included), with a warning.
+job's start-up then skips most of the capture (1.3-1.9 s on an 8b model), and sizes met only a
+few times (a job's last steps) cost padding rows instead of captures. Token sizes are captured
+at start-up ("startup"), or (first_use) at their second step: the first runs eagerly at the
+padded shape, which warms what the capture records (kernel compiles, GEMM choices), so a token
+size met once costs nothing extra. The steps of all token sizes return their logits in one
+buffer (the first such graph's), so their outputs do not each hold memory. Captures at start-up
+wait for the device and release the allocator's cache (torch.cuda.graph); one between steps is
+recorded while the step in flight runs on (its padding inputs reach the static buffer in stream
+order, after that step has read it), and keeps the cache the next eager step allocates from. A
+capture that fails leaves that size to run eagerly (the same inputs, padding included), with a
+warning.
 """
 
 from __future__ import annotations
