@@ -69,7 +69,9 @@ PAD_SHARE = 32
 # on every step (at most ~7 ms on an 8b model: a 256-row step against a few rows); a capture
 # costs the host a warm-up forward and the recording while the device waits (~50 ms on 8b),
 # so a size met a few times (the shrinking tail of a job: 192, 128, 96, 32, 16, 4 and 2
-# sequences, one step each, end a 1,024 x 256 job) is cheaper padded than captured.
+# sequences, one step each, end a 1,024 x 256 job) is cheaper padded than captured. (The
+# larger graph's decode attention is split for its own row count, so a few rows of very long
+# contexts read their KV with fewer programs on those steps: a cost bounded by the steps.)
 CAPTURE_AT_STEP = 8
 
 
