@@ -72,6 +72,14 @@ def _matmul_seconds(device: str) -> float:
 def _best_seconds(kernel: Callable[[], object]) -> float:
     """Seconds of the fastest of TIMED_RUNS launches, each timed by CUDA events, after
     launching the kernel for about WARMUP_S."""
+    one_s = max(_timed_seconds(kernel), 1e-6)
+    for _ in range(min(int(WARMUP_S / one_s), 10_000)):
+        kernel()
+    return min(_timed_seconds(kernel) for _ in range(TIMED_RUNS))
+
+
+def _timed_seconds(kernel: Callable[[], object]) -> float:
+    """One launch of the kernel, timed on the device by CUDA events."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,14 +87,4 @@ def _best_seconds(kernel: Callable[[], object]) -> float:
     kernel()
     end.record()
     end.synchronize()
-    one_s = max(start.elapsed_time(end) / 1e3, 1e-6)
-    for _ in range(min(int(WARMUP_S / one_s), 10_000)):
-        kernel()
-    best = float("inf")
-    for _ in range(TIMED_RUNS):
-        start.record()
-        kernel()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+    return start.elapsed_time(end) / 1e3
