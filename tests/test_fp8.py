@@ -433,7 +433,13 @@ def test_scaled_mm_matches_the_emulation() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_engine_fp8_on_gpu_with_graphs(model_dir, kv: str) -> None:
+def test_engine_fp8_on_gpu_with_graphs(model_dir, kv: str, monkeypatch) -> None:
+    from batchgen.engine import graphs as graphs_module
+
+    # each decode size on its own graph from its first step: a larger graph's shape (first_use
+    # borrowing) rounds bfloat16 logits differently, as any other batch size does, and this
+    # model's last row meets an exact tie of its two best tokens on its fifth step
+    monkeypatch.setattr(graphs_module, "CAPTURE_AT_STEP", 1)
     # initializer_range 0.02 (a trained model's scale): the tiny models' default 0.2 makes a
     # chaotic network (residual outliers ~60, logits +-12) whose bfloat16 log-probabilities
     # move by more than the probe's tolerance under FP8 weight rounding alone (probe docs)

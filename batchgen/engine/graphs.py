@@ -72,6 +72,9 @@ PAD_SHARE = 32
 # sequences, one step each, end a 1,024 x 256 job) is cheaper padded than captured. (The
 # larger graph's decode attention is split for its own row count, so a few rows of very long
 # contexts read their KV with fewer programs on those steps: a cost bounded by the steps.)
+# The real rows of a larger graph get the logits that batch size computes: in bfloat16 they
+# may differ from their own size's in the last bits (GEMM and attention split choices), as
+# they do between any two batch sizes, and a greedy tie can then break the other way.
 CAPTURE_AT_STEP = 8
 
 
