@@ -47,6 +47,7 @@ from batchgen.io.fs import as_path
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
+from batchgen.io.writer import warm_encoders
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RowShare
@@ -190,6 +191,8 @@ def run_job(
     """
     note = note or _to_stderr
     started = time.perf_counter()
+    warming = threading.Thread(target=warm_encoders, name="batchgen-warm-writer", daemon=True)
+    warming.start()  # beside the checks; done before the job's clock starts
     source = check_job(spec, source)
     if engine is None:
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
@@ -200,6 +203,7 @@ def run_job(
         current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
         check_resumable(layout, previous, current, ("settings", "input"), force_resume)
         startup = {} if process_s is None else {"process": process_s}
+        warming.join()
         startup["checks"] = round(time.perf_counter() - started, 3)
         owned = engine is None
         if owned:
