@@ -191,7 +191,9 @@ def run_job(
     """
     note = note or _to_stderr
     started = time.perf_counter()
-    warming = threading.Thread(target=warm_encoders, name="batchgen-warm-writer", daemon=True)
+    warming = threading.Thread(
+        target=warm_encoders, args=(spec.output.format,), name="batchgen-warm-writer", daemon=True
+    )
     warming.start()  # beside the checks; done before the job's clock starts
     source = check_job(spec, source)
     if engine is None:

@@ -160,12 +160,14 @@ def _parquet_bytes(table: pa.Table) -> bytes | None:
     return data.to_pybytes()
 
 
-def warm_encoders() -> None:
-    """Encode a one-row shard in memory and read its schema back, so that a job's first commit
-    does not pay pyarrow's first-use costs (a process pays them once): its first conversion of
-    Python values imports pandas where pandas is installed (0.15-0.2 s on a 2-core machine),
-    inside the job's clock and, for a shard committed mid-run, on the writer thread beside the
-    engine's."""
+def warm_encoders(format: str) -> None:
+    """For Parquet shards, encode a one-row shard in memory and read its schema back, so that
+    a job's first commit does not pay pyarrow's first-use costs (a process pays them once):
+    its first conversion of Python values imports pandas where pandas is installed (0.15-0.2 s
+    on a 2-core machine), inside the job's clock and, for a shard committed mid-run, on the
+    writer thread beside the engine's. JSON Lines shards never convert: nothing to do."""
+    if format != "parquet":
+        return
     row = {"index": 0, "id": "0", "text": "", "num_generated_tokens": 0, "error": None}
     _parquet_bytes(to_table([row], dict.fromkeys(row)))
 
