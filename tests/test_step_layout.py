@@ -374,3 +374,37 @@ def test_scheduler_cuts_the_last_prompt_at_the_step_target() -> None:
     for i, n in enumerate(prompts):
         plain.add(Request(str(i), list(range(n)), SamplingParams(), 0, n + 4, frozenset({1})))
     assert plain.schedule().num_tokens == 3500
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_a_full_budget_step_at_a_token_graphs_shape_fits_the_first_transfer_buffers(
+    model_dir, monkeypatch, block_size: int
+) -> None:
+    """The first step at the token budget, padded to a token graph's shape (one sequence more
+    than a step has, a sampled row per sequence) with a new block-table entry for each of its
+    blocks, fits the step buffers made at start-up: no device synchronize and reallocation
+    before the job's first step."""
+    from batchgen import Engine, EngineConfig
+    from batchgen.engine.transfer import Transfer
+    from tests.helpers import EagerPadding, random_prompts
+
+    sizes = []
+    allocate = Transfer._allocate_inputs
+    monkeypatch.setattr(
+        Transfer, "_allocate_inputs", lambda self, size: (sizes.append(size), allocate(self, size))
+    )
+    budget, seqs = 128, 8
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        enable_prefix_caching=False,
+    )
+    engine = Engine(model_dir("llama"), config)
+    graphs = engine.runner.graphs = EagerPadding(engine.runner, (8,), tokens=(budget,))
+    prompts = random_prompts(seqs, budget // seqs, budget // seqs, 500, seed=3)  # one step's worth
+    list(engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True), decode=False))
+    assert graphs.replays[0] == (budget, seqs + 1, seqs)  # the padded first step ...
+    assert len(sizes) == 1  # ... in the buffers made at start-up

@@ -184,8 +184,12 @@ class ModelRunner:
             self.step_tokens = step_tokens
         self.sampler = Sampler(s.vocab_size, device)
         self.penalties: PenaltyState | None = None  # allocated when a request first needs it
-        seqs = config.max_num_seqs
-        size = Layout(config.max_num_batched_tokens, seqs, seqs, U=seqs).size  # grows if needed
+        seqs, budget = config.max_num_seqs, config.max_num_batched_tokens
+        # the largest step without cached prefixes: a token graph's shape (a sequence more than
+        # a step has, a sampled row per sequence), a new block-table entry per block of its
+        # tokens and per sequence; a step with more (cached blocks entering) grows the buffers
+        updates = blocks_for(budget, config.block_size) + seqs
+        size = Layout(budget, seqs + 1, seqs, U=updates).size
         self.transfer = Transfer(size, seqs, device)
         self.packer = StepPacker()  # packs each launched step's buffer, in launch order
         # called around each launched step (a benchmark's timeline); None = nothing
