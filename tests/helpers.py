@@ -67,6 +67,7 @@ class EagerPadding(StepGraphs):
     def __init__(self, runner, sizes: tuple[int, ...], tokens: tuple[int, ...] = ()) -> None:
         self.sizes, self.tokens = sorted(sizes), sorted(tokens)
         self.max_seqs = runner.config.max_num_seqs
+        self.first_use = False  # every size pads to its own shape (a test may borrow)
         self.runner = runner
         self.replays: list[tuple[int, int, int]] = []  # the padded (T, B, S) of each step
 

@@ -276,6 +276,7 @@ def test_graph_shapes_chosen_for_steps_bound_their_padding() -> None:
 
     graphs = StepGraphs.__new__(StepGraphs)  # the choice needs no device
     graphs.sizes, graphs.tokens, graphs.max_seqs = [1, 2, 4, 8], [256, 1024, 2048, 4096], 8
+    graphs.first_use = False
 
     def step(*lengths: int, samples: int | None = None) -> Batch:
         samples = len(lengths) if samples is None else samples

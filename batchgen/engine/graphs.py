@@ -117,8 +117,6 @@ class StepGraphs:
     has; first_use: capture all but the largest decode size at their CAPTURE_AT_STEP-th
     step (and token sizes at their second), not now."""
 
-    first_use = False  # __init__ sets it; the default serves instances made without one
-
     def __init__(
         self,
         forward: Forward,
