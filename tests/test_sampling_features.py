@@ -1,4 +1,4 @@
-"""Issue-5 features end to end on the CPU: n samples, logprobs, min_new_tokens, stop strings,
+"""Sampling features end to end on the CPU: n samples, logprobs, min_new_tokens, stop strings,
 per-row values and reproducibility through an interruption."""
 
 from __future__ import annotations
@@ -138,6 +138,35 @@ def test_stop_strings_are_matched_off_the_engine_thread_as_if_after_every_token(
         assert out.finish_reason == ("length" if expected_text is None else "stop")
     assert any(o.finish_reason == "stop" for o in outs)
     eng.blocks.check_invariants()
+
+
+def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> None:
+    """A stop string completed by one of the first min_new_tokens - 1 tokens does not count: the
+    text is cut only at a later match, and the text always agrees with the tokens returned."""
+    prompts = [Prompt(p, str(i)) for i, p in enumerate(random_prompts(6, 3, 9, 1000, seed=7))]
+    base = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    free = {o.request_id: o for o in engine(path).generate(prompts, base)}
+    tok = engine(path).tokenizer
+    asked, cases = [], {}
+    for i, p in enumerate(prompts):
+        ids = free[str(i)].output_token_ids
+        stop = tok.decode(ids[:2], skip_special_tokens=True)[:2]  # completed within 2 tokens
+        cases[str(i)] = (stop, ids)
+        asked.append(p._replace(sampling={"stop": (stop,), "min_new_tokens": 6}))
+    outs = list(engine(path).generate(asked, base))
+    assert len(outs) == 6
+    for out in outs:
+        stop, ids = cases[out.request_id]
+        full = tok.decode(ids, skip_special_tokens=True)
+        floor = len(tok.decode(ids[:5], skip_special_tokens=True).rstrip("\ufffd"))
+        assert out.output_token_ids == ids[: len(out.output_token_ids)]
+        assert len(out.output_token_ids) >= 6
+        later = full.find(stop, max(0, floor - len(stop) + 1))
+        if later < 0:
+            assert (out.finish_reason, out.text) == ("length", full)
+        else:
+            assert (out.finish_reason, out.text) == ("stop", full[:later])
+            assert later + len(stop) > floor
 
 
 def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:

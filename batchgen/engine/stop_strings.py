@@ -43,7 +43,17 @@ def match_stop_strings(
     if not any(s in tail for s in stop):
         return None
     text = tokenizer.decode(tokens, skip_special_tokens=True)
-    position, first = min((text.find(s), s) for s in stop if s in text)
+    # A match must end in text of the min_tokens-th token or a later one: one completed inside
+    # the protected first tokens does not count (the tokens after it are kept, so the text is).
+    floor = 0
+    if min_tokens > 1:
+        head = tokenizer.decode(tokens[: min_tokens - 1], skip_special_tokens=True)
+        floor = len(head.rstrip("\ufffd"))  # a partial character is not text yet
+    found = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stop]
+    found = [(position, s) for position, s in found if position >= 0]
+    if not found:
+        return None
+    position, first = min(found)
     return text[: position + len(first) if include else position]
 
 
