@@ -159,7 +159,11 @@ class PromptBuilder:
                 todo, self._encode([out[i].text for i in todo], special), strict=True
             ):
                 r = out[i]
-                ids = self._truncate(list(ids), r.max_new_tokens)
+                try:
+                    ids = self._truncate(list(ids), r.max_new_tokens)
+                except ValueError as exc:
+                    out[i] = RowPrompt(r.index, r.row_id, None, {}, r.passthrough, str(exc))
+                    continue
                 out[i] = RowPrompt(r.index, r.row_id, ids, r.overrides, r.passthrough, None)
         return out
 
@@ -249,10 +253,19 @@ class PromptBuilder:
         return out
 
     def _truncate(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """A prompt over the context cut to leave room for max_new_tokens; ValueError where
+        that room leaves no prompt at all."""
         mode = self.config.truncate
         if mode == "error" or len(ids) <= self.max_prompt_tokens:
             return ids
-        keep = max(1, self.max_prompt_tokens + 1 - max_new_tokens)
+        context = self.max_prompt_tokens + 1
+        keep = context - max_new_tokens
+        if keep < 1:
+            raise ValueError(
+                f"prompt has {len(ids):,} tokens and max_new_tokens={max_new_tokens:,} fills "
+                f"the whole context of {context:,} tokens (max_model_len), so truncating "
+                "would leave no prompt: lower max_new_tokens"
+            )
         return ids[-keep:] if mode == "left" else ids[:keep]
 
 

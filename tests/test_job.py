@@ -192,6 +192,23 @@ def test_truncation_policy_keeps_long_prompts(model_dir, tmp_path: Path, mode: s
     assert row["num_generated_tokens"] == 8 or row["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_that_would_leave_no_prompt_is_an_error_row(
+    model_dir, tmp_path: Path, mode: str
+) -> None:
+    model = model_dir("llama", max_position_embeddings=48)
+    rows = [{"prompt": " ".join(["word"] * 200)}, {"prompt": "word word"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(
+        model, inp, tmp_path / "out", f"prompt.truncate='{mode}'", "sampling.max_new_tokens=48"
+    )
+    result = run_job(spec)
+    cut, short = read_rows(tmp_path / "out")
+    assert cut["text"] is None and "max_new_tokens=48 fills the whole context" in cut["error"]
+    assert short["error"] is None and short["num_generated_tokens"] >= 1
+    assert result.summary.rows_error == 1 and result.summary.rows_ok == 1
+
+
 def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     messages = [{"role": "user", "content": "Hi!"}]
