@@ -298,7 +298,7 @@ def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int
     error = prompt.error if out is None else out.error
     if out is None or error:
         return [[]]
-    seqs = [] if out.text is not None else [out.output_token_ids]
+    seqs = [] if out.text is not None else [out.text_token_ids]
     for lp in out.logprobs or ():
         seqs.append([lp.token_id])
         seqs.extend([t] for t in lp.top_ids)

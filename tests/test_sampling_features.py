@@ -70,6 +70,46 @@ def test_min_new_tokens_bans_stop_tokens_until_reached(path: Path) -> None:
 
 
 @pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(
+    path: Path, tmp_path: Path, keep: bool
+) -> None:
+    """As in vLLM: the token that ended the sample stays in the token ids; its text is in the
+    text only with include_stop_str_in_output. Same in a job's rows."""
+    eng = engine(path)
+    prompt = "The weather today is"
+    (free,) = eng.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    special = set(eng.tokenizer.all_special_ids)
+    k = next(
+        i
+        for i, t in enumerate(free.output_token_ids)
+        if i >= 3 and t not in special and eng.tokenizer.decode([t]).strip()
+    )
+    stop = free.output_token_ids[k]
+    params = SamplingParams(
+        max_new_tokens=30, stop_token_ids=(stop,), include_stop_str_in_output=keep
+    )
+    (out,) = eng.generate([prompt], params, decode=True)
+    ids = out.output_token_ids
+    assert ids[-1] == stop and out.finish_reason == "stop"
+    want = eng.tokenizer.decode(ids if keep else ids[:-1], skip_special_tokens=True)
+    assert out.text == want
+    assert keep or not out.text.endswith(eng.tokenizer.decode([stop]))
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": prompt}])
+    spec = spec_for(
+        path,
+        inp,
+        tmp_path / "out",
+        "sampling.max_new_tokens=30",
+        f"sampling.stop_token_ids=[{stop}]",
+        f"sampling.include_stop_str_in_output={str(keep).lower()}",
+        "output.include_token_ids=true",
+    )
+    run_job(spec)
+    (row,) = read_rows(tmp_path / "out")
+    assert row["token_ids"] == ids and row["text"] == want
+
+
+@pytest.mark.parametrize("keep", [False, True])
 def test_stop_strings_span_tokens_and_cut_the_text(path: Path, keep: bool) -> None:
     eng = engine(path)
     prompt = "The weather today is"

@@ -538,6 +538,13 @@ class Engine:
             logprobs=request.logprobs if request.params.logprobs is not None else None,
             last=last,
             check=state.spec if complete else None,
+            stop_token_hidden=(
+                request.finish_reason == "stop"
+                and request.text is None  # a stop string's match is cut by the watcher
+                and bool(outputs)
+                and outputs[-1] in request.ending_ids
+                and not request.params.include_stop_str_in_output
+            ),
         )
 
     def _check_request(
@@ -611,7 +618,7 @@ class Engine:
             return out
         text = out.text
         if text is None:
-            text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(out.text_token_ids, skip_special_tokens=True)
         if not check:
             return out._replace(text=text)
         problem = output_problem(out.check, text)

@@ -164,3 +164,12 @@ class RequestOutput(NamedTuple):
     # a structured output that ended because its grammar was complete: the spec its text must
     # match (output_check.output_problem, checked where the text is decoded); None otherwise
     check: GrammarSpec | None = None
+    # the last output token ended the sample (eos or stop_token_ids): it stays in the token ids,
+    # its text is left out of the text unless include_stop_str_in_output (as vLLM does)
+    stop_token_hidden: bool = False
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The output tokens the text is decoded from."""
+        ids = self.output_token_ids
+        return ids[:-1] if self.stop_token_hidden else ids
