@@ -22,7 +22,7 @@ class PromptConfig:
     column: str | None = None  # a text column used as the prompt
     template: str | None = None  # a format string over columns: "Summarize: {article}"
     messages_column: str | None = None  # chat messages rendered with the tokenizer's template
-    system_prompt: str | None = None  # prepended as a system message (chat) or ignored
+    system_prompt: str | None = None  # prepended as a system message (chat messages only)
     id_column: str | None = None  # None = the row's position in the input
     max_new_tokens_column: str | None = None
     temperature_column: str | None = None

@@ -234,6 +234,17 @@ def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     assert "must hold a non-empty list" in bad["error"]
 
 
+@pytest.mark.parametrize("prompt", ["prompt.column='prompt'", "prompt.template='Q: {prompt}'"])
+def test_a_system_prompt_without_chat_messages_is_refused(
+    model_dir, tmp_path: Path, prompt: str
+) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", prompt, "prompt.system_prompt='x'")
+    with pytest.raises(BatchgenError, match="system_prompt applies to chat messages"):
+        run_job(spec)
+    assert not (tmp_path / "out").exists()
+
+
 def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     rows = [{"prompt": "Hello", "n": n, "seed": 7, "t": 1.0} for n in (1, 3, 6)]

@@ -202,6 +202,27 @@ def test_interrupted_job_resumes(model: Path, tmp_path: Path) -> None:
     assert [x.response.body.choices for x in ok] == [x.response.body.choices for x in expected]
 
 
+def test_a_system_prompt_applies_to_chat_lines_and_refuses_completion_lines(
+    model: Path, tmp_path: Path
+) -> None:
+    user = [{"role": "user", "content": "Hi"}]
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [request("chat", max_tokens=3, messages=user), request("text", COMPLETIONS, max_tokens=3)],
+    )
+    sets = ("prompt.system_prompt='Be brief.'", "output.include_token_ids=true")
+    assert run(model, inp, tmp_path / "out", *sets).complete
+    (ok,) = read_lines(tmp_path / "out" / "results.jsonl")
+    (bad,) = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert ok.custom_id == "chat" and bad.custom_id == "text"
+    assert "system_prompt applies to /v1/chat/completions" in err(bad).message
+    tokenizer = Engine(model, EngineConfig(device="cpu")).tokenizer
+    chat = [{"role": "system", "content": "Be brief."}, *user]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    want = len(tokenizer(rendered, add_special_tokens=False).input_ids)
+    assert ok.response.body.usage.prompt_tokens == want
+
+
 def test_cli_format_flag_and_prompt_section(model: Path, tmp_path: Path) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", [request("a", max_tokens=2)])
     args = ["run", "--format", "openai-batch", "--input", str(inp), "--model", str(model)]

@@ -26,6 +26,11 @@ class RowsFormat:
                 f"pass-through column {clash[0]!r} would overwrite an output column: "
                 "rename it in the input"
             )
+        if spec.prompt.system_prompt is not None and spec.prompt.messages_column is None:
+            raise BatchgenError(
+                "prompt.system_prompt applies to chat messages (prompt.messages_column) only: "
+                "remove it, or put the text into prompt.template"
+            )
 
     def open(self, spec: JobSpec) -> InputSource:
         return open_input(spec.input)

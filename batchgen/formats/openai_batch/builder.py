@@ -27,11 +27,12 @@ class RequestBuilder:
             "id_column": ID_COLUMN,
             "sampling_column": SAMPLING_COLUMN,
             "passthrough": PASSTHROUGH,
-            "system_prompt": config.system_prompt,
             "truncate": config.truncate,
         }
         args = (tokenizer, max_prompt_tokens, sampling)
-        self.chat = PromptBuilder(PromptConfig(messages_column="messages", **common), *args)
+        self.system_prompt = config.system_prompt  # chat requests only: a completion is refused
+        chat = PromptConfig(messages_column="messages", system_prompt=self.system_prompt, **common)
+        self.chat = PromptBuilder(chat, *args)
         self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
@@ -54,6 +55,18 @@ class RequestBuilder:
         """The row of a line that cannot run (bad line, model not served), else None."""
         model = values.get("model")
         unserved = model is not None and model not in self.served_names
+        completion = values.get("messages") is None
+        if values.get("error_code") is None and completion and self.system_prompt is not None:
+            values = {
+                **values,
+                "error_code": "invalid_value",
+                "error_param": "prompt",
+                "error_message": (
+                    "[prompt] system_prompt applies to /v1/chat/completions requests only, "
+                    "and this is a /v1/completions request: remove system_prompt from the "
+                    "job, or send the request as chat messages"
+                ),
+            }
         if values.get("error_code") is None and unserved:
             values = {
                 **values,
