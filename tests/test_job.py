@@ -245,6 +245,18 @@ def test_a_system_prompt_without_chat_messages_is_refused(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_max_model_len_over_the_models_context_is_refused(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama", max_position_embeddings=48)
+    with pytest.raises(BatchgenError, match="max_model_len=49 is more than the model's context"):
+        Engine(model, EngineConfig(device="cpu", max_model_len=49))
+    assert Engine(model, EngineConfig(device="cpu", max_model_len=48)).max_model_len == 48
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    spec = spec_for(model, inp, tmp_path / "out", "runtime.max_model_len=4096")
+    with pytest.raises(BatchgenError, match="lower it, or leave it unset"):
+        run_job(spec)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     rows = [{"prompt": "Hello", "n": n, "seed": 7, "t": 1.0} for n in (1, 3, 6)]

@@ -57,6 +57,7 @@ from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.stop_strings import StopWatcher
 from batchgen.engine.tokenizer_loader import load_tokenizer
 from batchgen.engine.transfer import StepOutput, wait_tokens
+from batchgen.errors import BatchgenError
 from batchgen.home import triton_cache_dir
 
 PromptLike = str | list[int] | Prompt
@@ -118,7 +119,13 @@ class Engine:
         self.shape = model_shape(self.model)
         clock.mark("shape")
         limit = self.shape.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise BatchgenError(
+                f"max_model_len={self.config.max_model_len:,} is more than the model's context "
+                f"of {limit:,} tokens (max_position_embeddings in its config): lower it, or "
+                "leave it unset for the model's own"
+            )
+        self.max_model_len = self.config.max_model_len or limit
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
         block_size = kv_block_size(self.config, self.kv_dtype, self.device)
         self.config = dataclasses.replace(self.config, block_size=block_size)
