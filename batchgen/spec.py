@@ -23,6 +23,7 @@ from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import InputConfig, OutputConfig
 from batchgen.io.fs import scheme_of
+from batchgen.io.readers import OPENAI_BATCH
 from batchgen.prompts import PromptConfig
 
 
@@ -138,7 +139,7 @@ class JobSpec:
             self.sampling.structured
             or p.json_schema_column is not None
             or p.sampling_column is not None
-            or self.input.format == "openai_batch"
+            or self.input.format == OPENAI_BATCH
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -344,6 +344,11 @@ def test_the_cores_a_job_keeps_for_its_engine() -> None:
     assert kept_cores(3, sixteen) == {13, 14, 15}
     assert kept_cores(0, sixteen) == frozenset()
     assert kept_cores(16, sixteen) == frozenset()  # never all of them
+    rows = load_spec(None, ["input.path='x.jsonl'", "output.dir='out'"])
+    assert rows.engine_cores(sixteen) == {14, 15}
+    for structured in ("sampling.json_object=true", "input.format='openai-batch'"):
+        spec = load_spec(None, ["input.path='x.jsonl'", "output.dir='out'", structured])
+        assert spec.engine_cores(sixteen) == frozenset(), structured  # grammar threads need cores
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("needs two cores")
