@@ -21,6 +21,7 @@ from typing import Any
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError, check_field
+from batchgen.formats.openai_batch.requests import OPENAI_DEFAULTS
 from batchgen.io import InputConfig, OutputConfig
 from batchgen.io.fs import scheme_of
 from batchgen.io.readers import OPENAI_BATCH
@@ -248,6 +249,10 @@ def spec_from_table(table: dict[str, Any]) -> JobSpec:
         for name, classes in SECTIONS.items()
     }
     engine, pipeline = built.pop("runtime")
+    if built["input"][0].format == OPENAI_BATCH:  # what a line's body does not give
+        given = resolve_aliases(table.get("sampling", {}))
+        defaults = {k: v for k, v in OPENAI_DEFAULTS.items() if k not in given}
+        built["sampling"] = [built["sampling"][0].replace(**defaults)]
     return JobSpec(engine=engine, pipeline=pipeline, **{k: v[0] for k, v in built.items()})
 
 

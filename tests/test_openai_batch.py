@@ -236,22 +236,18 @@ def test_cli_format_flag_and_prompt_section(model: Path, tmp_path: Path) -> None
         run(model, inp, tmp_path / "o3", "prompt.id_column='custom_id'")
 
 
-DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "n": 1, "presence_penalty": 0.0}
-DEFAULTS |= {"frequency_penalty": 0.0, "stop": ()}
-
-
 def test_body_fields_map_onto_sampling() -> None:
     chat = parse_request(
         request("a", logprobs=True, top_logprobs=3, stop="x", max_completion_tokens=7, n=2), None, 1
     )
     assert chat["error_code"] is None and chat["messages"][0]["content"] == "Hello a"
-    expected = {**DEFAULTS, "logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
+    expected = {"logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
     assert chat["sampling"] == expected
     plain = parse_request(request("b", logprobs=False, top_p=0.5, temperature=None), None, 2)
-    assert plain["sampling"] == {**DEFAULTS, "top_p": 0.5}
+    assert plain["sampling"] == {"top_p": 0.5}
     text = parse_request(request("c", COMPLETIONS, logprobs=0, presence_penalty=0.5), None, 3)
     assert text["prompt"] == "Once upon a time c"
-    assert text["sampling"] == {**DEFAULTS, "logprobs": 0, "presence_penalty": 0.5}
+    assert text["sampling"] == {"logprobs": 0, "presence_penalty": 0.5}
     bad = parse_request(request("d", COMPLETIONS, logprobs=True), None, 4)
     assert (bad["error_code"], bad["error_param"]) == ("invalid_value", "logprobs")
     assert parse_request(request("e", COMPLETIONS, logprobs=21), None, 5)["error_code"]
@@ -273,7 +269,7 @@ def test_harmless_fields_are_accepted_and_vllm_fields_honoured() -> None:
     line = parse_request(request("b", **vllm, skip_special_tokens=True), None, 2)
     assert line["error_code"] is None
     assert line["sampling"] == {
-        **DEFAULTS, "top_k": 5, "min_p": 0.1, "min_new_tokens": 2, "repetition_penalty": 1.2,
+        "top_k": 5, "min_p": 0.1, "min_new_tokens": 2, "repetition_penalty": 1.2,
         "ignore_eos": True, "stop_token_ids": (7,), "include_stop_str_in_output": True,
     }  # fmt: skip
     for field, value in (
@@ -301,6 +297,36 @@ def test_openai_defaults_apply_to_lines_without_values(model: Path, tmp_path: Pa
     assert run(model, inp, tmp_path / "again", "sampling.ignore_eos=true").complete
     again = read_lines(tmp_path / "again" / "results.jsonl")
     assert [[c.message.content for c in x.response.body.choices] for x in again] == pairs
+
+
+def test_the_jobs_sampling_applies_to_lines_that_give_no_value(model: Path, tmp_path: Path) -> None:
+    """A value the job gives (even one equal to batchgen's own default) is every line's
+    default in place of OpenAI's; a line's body still has the last word."""
+    rows = [
+        request("plain", n=2, max_tokens=6),
+        request("hot", n=2, max_tokens=6, temperature=1.0, seed=5),
+        request("stop", max_tokens=6),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("sampling.ignore_eos=true", "sampling.temperature=0")
+    assert run(model, inp, tmp_path / "out", *sets).complete
+    plain, hot, _ = (x.response.body for x in read_lines(tmp_path / "out" / "results.jsonl"))
+    a, b = (c.message.content for c in plain.choices)
+    assert a == b, "temperature=0 from the job makes a line without one greedy"
+    assert len({c.message.content for c in hot.choices}) == 2
+    engine = Engine(model, EngineConfig(device="cpu"))
+    tokenizer = engine.tokenizer
+    chat = [{"role": "user", "content": "Hello stop"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    (free,) = engine.generate([ids], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    cut = tokenizer.decode(free.output_token_ids[2:4]).strip()
+    sets = (*sets, f"sampling.stop=['{cut}']")
+    assert cut and "'" not in cut
+    assert run(model, inp, tmp_path / "stop", *sets).complete
+    *_, stopped = (x.response.body for x in read_lines(tmp_path / "stop" / "results.jsonl"))
+    assert cut not in stopped.choices[0].message.content
+    assert stopped.choices[0].finish_reason == "stop"
 
 
 OPENAI_DOCS_EXAMPLE = [  # the request file of OpenAI's Batch guide, unchanged

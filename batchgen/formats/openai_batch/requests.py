@@ -4,9 +4,9 @@ A line is `{"custom_id", "method": "POST", "url", "body"}` with url /v1/chat/com
 has `messages`) or /v1/completions (body has `prompt`). Files written for OpenAI or vLLM run
 unchanged: OpenAI's and vLLM's sampling fields map onto SamplingParams, fields that change
 nothing here are accepted, and a field whose value batchgen cannot honour makes the line an
-error line naming it. Where the body gives no value, OpenAI's defaults apply (temperature 1,
-top_p 1, n 1, no penalties); other settings (max tokens, seed, top_k, ...) keep the job's
-[sampling] values.
+error line naming it. Where the body gives no value, the job's [sampling] value applies; for
+what neither gives, OpenAI's defaults (temperature 1, top_p 1, n 1, no penalties, no stop
+strings: put into the job's sampling when its spec is read) and otherwise batchgen's.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SAMPLING_FIELDS = {
     "guided_regex": "regex",
     "guided_choice": "choice",
 }
+# the job's sampling for OpenAI Batch input, where the job's [sampling] does not say
 OPENAI_DEFAULTS = {
     "temperature": 1.0,
     "top_p": 1.0,
@@ -178,8 +179,8 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Body fields -> SamplingParams overrides (OpenAI's defaults where the body gives none),
-    each checked (param = the body field)."""
+    """Body fields -> SamplingParams overrides of the job's sampling, each checked (param = the
+    body field)."""
     given = {k: v for k, v in body.items() if v is not None}
     if "max_tokens" in given and "max_completion_tokens" in given:
         raise RequestError(
@@ -187,7 +188,7 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
         )
     if isinstance(given.get("stop"), str):
         given["stop"] = [given["stop"]]
-    out: dict[str, Any] = dict(OPENAI_DEFAULTS)
+    out: dict[str, Any] = {}
     source: dict[str, str] = {}  # SamplingParams field -> the body field it came from
     for key, value in given.items():
         if key in SAMPLING_FIELDS:
