@@ -133,6 +133,8 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     out["output.format"] = spec.output.format
     out["output.include_token_ids"] = spec.output.include_token_ids
     out["model.served_model_name"] = list(spec.model.served_model_name)
+    out["runtime.quantization"] = spec.engine.quantization  # FP8 weights round differently
+    out["runtime.kv_cache_dtype"] = spec.engine.kv_cache_dtype  # as does an FP8 KV cache
     if engine is None:
         dtype = resolve_dtype(spec.engine, resolve_device(spec.engine))
         out["runtime.seed"] = spec.engine.seed

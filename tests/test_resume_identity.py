@@ -91,6 +91,8 @@ def test_the_same_input_under_another_spelling_or_copy_resumes(
         ("runtime.seed=1", "runtime.seed"),
         ("runtime.dtype='bfloat16'", "runtime.dtype"),
         ("runtime.max_model_len=64", "runtime.max_model_len"),
+        ("runtime.kv_cache_dtype='fp8'", "runtime.kv_cache_dtype"),  # refused before loading
+        ("runtime.quantization='fp8'", "runtime.quantization"),
         ("sampling.top_p=0.5", "sampling.top_p"),
         ("prompt.template='Q: {prompt}'", "prompt.template"),
         ("output.include_token_ids=true", "output.include_token_ids"),
