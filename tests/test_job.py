@@ -257,6 +257,43 @@ def test_a_max_model_len_over_the_models_context_is_refused(model_dir, tmp_path:
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "prompt.temperature_column='temp'",
+        "prompt.max_new_tokens_column='temp'",
+        "prompt.passthrough=['temp']",
+        "prompt.sampling_column='temp'",
+    ],
+)
+def test_a_jsonl_column_that_no_line_has_is_refused(
+    model_dir, tmp_path: Path, setting: str
+) -> None:
+    """As for Parquet, whose schema says so up front; JSONL lines vary, so a column the first
+    lines lack is looked for in every line (also one escaped as Python's json writes it)."""
+    from batchgen.job import check_job
+
+    model = model_dir("llama")
+    rows = [{"prompt": f"row {i}", "temperature": 0.5} for i in range(150)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(BatchgenError, match="input has no column 'temp': no line of"):
+        run_job(spec_for(model, inp, tmp_path / "out", setting))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    late = [*rows[:-1], {"prompt": "last", "temp": None}]  # only the 150th line has it
+    check_job(spec_for(model, write_jsonl(tmp_path / "late.jsonl", late), tmp_path / "o", setting))
+    (tmp_path / "parts").mkdir()
+    write_jsonl(tmp_path / "parts" / "a.jsonl", rows[:3])
+    write_jsonl(tmp_path / "parts" / "b.jsonl", [{"prompt": "x", "temp": None}])
+    check_job(spec_for(model, tmp_path / "parts", tmp_path / "o2", setting))
+    name = setting.replace("'temp'", "'température'")
+    escaped = tmp_path / "escaped.jsonl"
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"prompt": "é", "température": 1})]
+    escaped.write_text("\n".join(lines))  # the key past the first lines, as \u00e9
+    check_job(spec_for(model, escaped, tmp_path / "o3", name))
+    with pytest.raises(BatchgenError, match="no column 'température'"):
+        check_job(spec_for(model, inp, tmp_path / "o4", name))
+
+
 def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     rows = [{"prompt": "Hello", "n": n, "seed": 7, "t": 1.0} for n in (1, 3, 6)]

@@ -51,6 +51,16 @@ class RowsFormat:
                 f"input has no column {missing[0]!r} (columns: "
                 f"{', '.join(source.columns)}): fix [prompt] or the input"
             )
+        if source.sampled and source.mentions is not None:  # a column no row has at all
+            unseen = [c for c in spec.prompt.columns_used() if c not in (source.columns or ())]
+            found = source.mentions(unseen) if unseen else set()
+            absent = [c for c in unseen if c not in found]
+            if absent:
+                seen = f" (keys of its first rows: {', '.join(source.columns)})"
+                raise BatchgenError(
+                    f"input has no column {absent[0]!r}: no line of {source.description} has "
+                    f"that key{seen if source.columns else ''}: fix [prompt] or the input"
+                )
 
     def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
         return {name: source.types.get(name) for name in spec.prompt.passthrough}

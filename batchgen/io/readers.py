@@ -102,6 +102,8 @@ class InputSource:
     types: dict[str, pa.DataType] = field(default_factory=dict)  # declared column types
     files: tuple[Path, ...] = ()  # local files the input reads
     sampled: bool = False  # columns were read off the first rows (JSONL), not a schema
+    # sampled: of the names given, those some row may have as a key (a pass over the files)
+    mentions: Callable[[list[str]], set[str]] | None = field(repr=False, default=None)
     read_rank: RankReader | None = field(repr=False, default=None)  # None: read every row
 
     def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
@@ -340,7 +342,35 @@ def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSour
     reader = partial(_jsonl_rows, files)
     source = jsonl_source(files, scans, columns, description, config, reader)
     read_rank = partial(rank_reads.jsonl_rank_rows, files, scans)
-    return dataclasses.replace(source, read_rank=read_rank)
+    mentions = partial(jsonl_mentions, [path for path, _ in files])
+    return dataclasses.replace(source, read_rank=read_rank, mentions=mentions)
+
+
+def jsonl_mentions(paths: list[Path], names: list[str]) -> set[str]:
+    """The names whose JSON string appears somewhere in the files' bytes: a name not among
+    them is no line's key. Each name is looked for as JSON writers spell it (UTF-8 or \\u
+    escapes in either case, / or \\/); only a key that escapes plain ASCII letters would be
+    missed, and no JSON writer writes that."""
+    spellings = {name: _json_spellings(name) for name in names}
+    longest = max((len(s) for forms in spellings.values() for s in forms), default=0)
+    found: set[str] = set()
+    for path in paths:
+        with path.open("rb") as f:
+            tail = b""
+            while len(found) < len(names) and (chunk := f.read(COUNT_CHUNK_BYTES)):
+                window = tail + chunk
+                for name, forms in spellings.items():
+                    if name not in found and any(form in window for form in forms):
+                        found.add(name)
+                tail = window[-longest:]
+    return found
+
+
+def _json_spellings(name: str) -> set[bytes]:
+    forms = {json.dumps(name, ensure_ascii=False), json.dumps(name)}
+    forms |= {re.sub(r"\\u[0-9a-f]{4}", lambda m: "\\u" + m.group()[2:].upper(), f) for f in forms}
+    forms |= {f.replace("/", "\\/") for f in forms}
+    return {f.encode("utf-8") for f in forms}
 
 
 def jsonl_source(
