@@ -146,6 +146,18 @@ def test_json_array_file_is_a_job_error(tmp_path: Path) -> None:
     with pytest.raises(BatchgenError) as excinfo:
         open_input(InputConfig(str(path)))
     assert "not JSON Lines" in one_line_error(excinfo)
+    path.write_text(json.dumps([{"id": "a"}, {"id": "b"}]))  # on one line
+    with pytest.raises(BatchgenError, match="not JSON Lines"):
+        open_input(InputConfig(str(path), format="jsonl"))
+
+
+def test_a_first_line_that_is_an_array_is_an_error_row(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text('[{"prompt": "a"}]\n{"prompt": "b"}\n')
+    source = open_input(InputConfig(str(path)))
+    rows = [row for batch in source.batches() for row in batch]
+    assert [r.values for r in rows] == [None, {"prompt": "b"}]
+    assert "line 1" in rows[0].error and rows[1].error is None
 
 
 # ---------------------------------------------------------------- datasets folders, hub

@@ -461,8 +461,20 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
 
 
 def _is_json_document(head: bytes) -> bool:
+    """Whether a file starting with `head` is one JSON document (a pretty object, an array)
+    rather than JSON Lines. A first line that is a whole array with more lines after it is
+    JSON Lines with a bad first line (an error row, as any other)."""
     head = head.removeprefix(_UTF8_BOM).lstrip()
-    return head.startswith(b"[") or head.partition(b"\n")[0].strip() == b"{"
+    first, _, rest = head.partition(b"\n")
+    if first.strip() == b"{":
+        return True
+    if not head.startswith(b"["):
+        return False
+    try:
+        json.loads(first)
+    except ValueError:  # an array over several lines (or not JSON at all: a document anyway)
+        return True
+    return not rest.strip()  # an array alone on its line is the whole file
 
 
 def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[int, bytes]]:
