@@ -59,9 +59,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except BatchgenError as exc:
             _fail(exc)
         except KeyboardInterrupt:
-            click.echo(
-                "\nbatchgen: aborted; committed rows are kept: run again to resume", err=True
-            )
+            click.echo(f"\n{ABORTED}", err=True)
             sys.exit(128 + signal.SIGINT)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
@@ -356,16 +354,35 @@ def build_default() -> None:
     click.echo(default_model_path())
 
 
+ABORTED = "batchgen: aborted; committed rows are kept: run again to resume"
+
+
+def _abort() -> None:
+    """Leave at once, as SIGKILL would: committed shards are whole, a rerun redoes the rest.
+    Not by raising KeyboardInterrupt from the handler: where that lands in a weakref callback
+    or a __del__, Python prints it as a traceback and carries on."""
+    sys.stderr.write(f"\n{ABORTED}\n")
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
 class _stop_on_signals:
     """SIGINT/SIGTERM set `stop` (finish the step, commit, exit); a second SIGINT aborts."""
 
-    def __init__(self, stop: threading.Event, received: list[int], echo: bool = True) -> None:
-        self.stop, self.received, self.echo = stop, received, echo
+    def __init__(
+        self,
+        stop: threading.Event,
+        received: list[int],
+        echo: bool = True,
+        abort: Callable[[], None] = _abort,
+    ) -> None:
+        self.stop, self.received, self.echo, self.abort = stop, received, echo, abort
         self.previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            self.abort()
+            return
         self.received.append(signum)
         self.stop.set()
         if self.echo:

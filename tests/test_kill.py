@@ -158,3 +158,36 @@ def test_sigterm_commits_and_exits_nonzero_then_resumes(model_dir, tmp_path):
     final = subprocess.run(cmd, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     results(out)
+
+
+SECOND_CTRL_C = """
+import os, signal, sys, threading, weakref
+from batchgen.cli import _stop_on_signals
+
+class Key:
+    pass
+
+stop = threading.Event()
+with _stop_on_signals(stop, [], echo=False):
+    os.kill(os.getpid(), signal.SIGINT)  # the first: stop after the step in flight
+    while not stop.is_set():
+        pass
+    table = weakref.WeakKeyDictionary()
+    key = Key()
+    table[key] = 1
+    # the second lands while Python runs a weakref callback (which swallows exceptions)
+    weakref.finalize(key, os.kill, os.getpid(), signal.SIGINT)
+    del key
+    for _ in range(10**6):
+        pass
+print("carried on")
+"""
+
+
+def test_a_second_ctrl_c_aborts_with_one_line_wherever_it_lands() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 128 + signal.SIGINT, done
+    assert "carried on" not in done.stdout
+    assert done.stderr.strip() == "batchgen: aborted; committed rows are kept: run again to resume"
