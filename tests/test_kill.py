@@ -172,9 +172,7 @@ with _stop_on_signals(stop, [], echo=False):
     os.kill(os.getpid(), signal.SIGINT)  # the first: stop after the step in flight
     while not stop.is_set():
         pass
-    table = weakref.WeakKeyDictionary()
     key = Key()
-    table[key] = 1
     # the second lands while Python runs a weakref callback (which swallows exceptions)
     weakref.finalize(key, os.kill, os.getpid(), signal.SIGINT)
     del key
