@@ -161,7 +161,7 @@ class Producer(threading.Thread):
 class Stats:
     rows_ok: int = 0
     rows_error: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of the samples the engine ran (not of prompts it refused)
     generated_tokens: int = 0
     first_row_at: float | None = None  # perf_counter when the first row was finished
 
@@ -191,6 +191,7 @@ class Consumer(threading.Thread):
         self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
         self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
         self._samples: dict[int, list[OutputRow]] = {}  # index -> finished samples so far
+        self._ran: dict[int, int] = {}  # index -> prompt tokens of its samples the engine ran
         self.stats = Stats()
         self.error: BaseException | None = None
         self.failed = threading.Event()
@@ -240,12 +241,15 @@ class Consumer(threading.Thread):
             self.stats.first_row_at = time.perf_counter()
         group = self._samples.setdefault(prompt.index, [])
         group.append(self._row(prompt, out, texts))
+        if out is not None and out.error is None:  # admitted (a refused prompt has an error)
+            ran = self._ran.get(prompt.index, 0)
+            self._ran[prompt.index] = ran + len(prompt.prompt_ids or [])
         if out is None or out.last:
             del self._samples[prompt.index]
             group.sort(key=lambda r: r.sample_index)
             records = [row.record(self.writer.columns) for row in group]
             self.writer.add_group(records)
-            self._count(group)
+            self._count(group, self._ran.pop(prompt.index, 0))
             if self.on_rows is not None:
                 self.on_rows(records)
             self.on_row(self.stats)
@@ -281,15 +285,15 @@ class Consumer(threading.Thread):
             input_hash=prompt.input_hash,
         )
 
-    def _count(self, rows: list[OutputRow]) -> None:
+    def _count(self, rows: list[OutputRow], prompt_tokens: int) -> None:
         s = self.stats
         for row in rows:
             if row.error is None:
                 s.rows_ok += 1
             else:
                 s.rows_error += 1
-            s.prompt_tokens += row.num_prompt_tokens
             s.generated_tokens += row.num_generated_tokens
+        s.prompt_tokens += prompt_tokens
 
 
 def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int]]:

@@ -209,6 +209,20 @@ def test_truncation_that_would_leave_no_prompt_is_an_error_row(
     assert result.summary.rows_error == 1 and result.summary.rows_ok == 1
 
 
+def test_summary_prompt_tokens_count_only_the_prompts_the_engine_ran(
+    model_dir, tmp_path: Path
+) -> None:
+    model = model_dir("llama", max_position_embeddings=48)
+    rows = [{"prompt": "word word"}, {"prompt": " ".join(["word"] * 200)}, {"prompt": ""}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(model, inp, tmp_path / "out", "sampling.max_new_tokens=2", "sampling.n=2")
+    summary = run_job(spec).summary
+    ok, _, too_long, _empty = read_rows(tmp_path / "out")
+    assert too_long["error"] is not None and too_long["num_prompt_tokens"] > 48
+    assert summary.rows_ok == 2 and summary.rows_error == 2
+    assert summary.prompt_tokens == 2 * ok["num_prompt_tokens"]  # each sample its prompt
+
+
 def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     messages = [{"role": "user", "content": "Hi!"}]
