@@ -129,7 +129,7 @@ def _generate(
             group.place.share,
         )
         latest[0] = stats
-        read_all, rows_read = producer.finished and not stop.is_set(), producer.rows_read
+        read_all, rows_read = producer.finished, producer.rows_read
     except Exception as exc:  # every rank learns of it and stops; raised below
         failure, error = Failure.of(exc), exc
     if latest[0].first_row_at is not None:
@@ -162,7 +162,7 @@ def _generate(
         )
     if why is not None and why.rank != group.rank:
         return JobResult(summary, interrupted=False, stopped_by=why.why)
-    return JobResult(summary, interrupted=stop.is_set())
+    return JobResult(summary, interrupted=stop.is_set() and not summary.complete)
 
 
 def _end_on_rank0(

@@ -288,8 +288,8 @@ def _run(
             spec, source, engine, layout, done, columns, stop, hooks, on_row, lock.check
         )
     after = scan_committed(layout, _to_stderr)
-    read_all = producer.finished and not stop.is_set()
-    complete = read_all and after.indexes >= set(range(producer.rows_read))
+    # a stop that came once every row was committed leaves the job complete
+    complete = producer.finished and after.indexes >= set(range(producer.rows_read))
     files = write_results(spec, layout) if complete and spec.output.final_file else None
     if stats.first_row_at is not None:
         startup["first_row"] = round(stats.first_row_at - started, 3)
@@ -312,7 +312,8 @@ def _run(
         engine_startup_s=engine.engine_startup_s if "engine_process" in startup else {},
     )
     write_json_atomic(layout.summary, summary.to_dict())
-    return JobResult(summary, stop.is_set(), profile_file=None if profile is None else str(profile))
+    interrupted = stop.is_set() and not complete
+    return JobResult(summary, interrupted, profile_file=None if profile is None else str(profile))
 
 
 def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:

@@ -78,6 +78,8 @@ class Producer(threading.Thread):
     def run(self) -> None:
         try:
             for batch in self.batches:
+                if self.stop.is_set():
+                    return
                 todo = [(row, dup) for row in batch for keep, dup in [self._check(row)] if keep]
                 start = 0
                 while start < len(todo):  # the first rows go out soon
@@ -88,9 +90,7 @@ class Producer(threading.Thread):
                     task.add_done_callback(self._count)
                     if not self._put(task):
                         return
-                if self.stop.is_set():
-                    return
-            self.finished = True
+            self.finished = True  # every row was read and handed on
         except BaseException as exc:  # re-raised on the engine thread
             self.error = exc
         finally:

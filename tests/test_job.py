@@ -223,6 +223,29 @@ def test_summary_prompt_tokens_count_only_the_prompts_the_engine_ran(
     assert summary.prompt_tokens == 2 * ok["num_prompt_tokens"]  # each sample its prompt
 
 
+def test_a_stop_after_every_row_is_done_leaves_the_job_complete(model_dir, tmp_path: Path) -> None:
+    """A SIGTERM (the stop event) that comes once the last row is done: the job still commits
+    it and ends complete, with its final file, not "interrupted"."""
+    import threading
+
+    from batchgen.job import Hooks
+
+    rows = [{"prompt": f"row {i}"} for i in range(5)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", "sampling.max_new_tokens=2")
+    stop, seen = threading.Event(), []
+
+    def on_rows(records: list[dict]) -> None:
+        seen.extend(records)
+        if len(seen) == len(rows):
+            stop.set()
+
+    result = run_job(spec, stop=stop, hooks=Hooks(on_rows=on_rows))
+    assert stop.is_set() and result.complete and not result.interrupted
+    assert result.summary.result_file is not None
+    assert [r["index"] for r in read_rows(tmp_path / "out")] == list(range(5))
+
+
 def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     messages = [{"role": "user", "content": "Hi!"}]

@@ -20,7 +20,7 @@ import pytest
 from batchgen import BatchgenError
 from batchgen.io import OutputLayout
 from batchgen.io.checkpoint import DirectoryLock
-from batchgen.job import run_job
+from batchgen.job import Hooks, run_job
 from batchgen.models import build_tiny_model
 from tests.test_job import read_rows, spec_for, write_jsonl
 
@@ -102,7 +102,7 @@ def test_a_result_affecting_setting_is_part_of_the_identity(
     job, tmp_path: Path, change: str, key: str
 ) -> None:
     stopped = job(
-        "runtime.max_num_seqs=2", "output.shard_rows=2", stop=StopAfterShards(tmp_path / "out", 2)
+        "runtime.max_num_seqs=2", "output.shard_rows=2", **stop_after_shards(tmp_path / "out", 2)
     )
     assert not stopped.complete
     with pytest.raises(BatchgenError, match=rf"setting {key} changed"):
@@ -111,7 +111,7 @@ def test_a_result_affecting_setting_is_part_of_the_identity(
 
 def test_settings_that_cannot_change_a_row_may_change(job, tmp_path: Path) -> None:
     assert not job(
-        "runtime.max_num_seqs=2", "output.shard_rows=2", stop=StopAfterShards(tmp_path / "out", 2)
+        "runtime.max_num_seqs=2", "output.shard_rows=2", **stop_after_shards(tmp_path / "out", 2)
     ).complete
     sets = ("runtime.max_num_seqs=5", "runtime.max_num_batched_tokens=300", "runtime.block_size=8")
     result = job(*sets, "runtime.tokenizer_threads=1", "output.shard_rows=3")
@@ -188,7 +188,7 @@ def test_a_failed_model_load_leaves_the_output_untouched(job, model_dir, tmp_pat
 
 def test_a_damaged_manifest_is_refused_then_adopted_with_force(job, tmp_path: Path) -> None:
     assert not job(
-        "output.shard_rows=2", "runtime.max_num_seqs=2", stop=StopAfterShards(tmp_path / "out", 2)
+        "output.shard_rows=2", "runtime.max_num_seqs=2", **stop_after_shards(tmp_path / "out", 2)
     ).complete
     manifest = tmp_path / "out" / "job.json"
     for damage in (b"", b"{not json", b'{"spec": 1}', b'{"version": 2, "spec": {}}'):
@@ -253,12 +253,21 @@ def test_result_files_of_any_jobs_concatenate(job, tmp_path: Path) -> None:
     assert pads.dataset(files).to_table().num_rows == 14
 
 
-class StopAfterShards(threading.Event):
-    """A job's stop event that sets itself once `count` shards are committed in `out`."""
+def stop_after_shards(out: Path, count: int) -> dict:
+    """run_job arguments that stop a job of shards of 2 rows after `count` shards."""
+    stop = StopAfterShards(out, count, rows=2 * count)
+    return {"stop": stop, "hooks": stop.hooks}
 
-    def __init__(self, out: Path, count: int) -> None:
+
+class StopAfterShards(threading.Event):
+    """A job's stop event that sets itself once `count` shards are committed in `out`. Pass
+    its hooks too: they hold back the rows past the first `rows`, so that the job cannot have
+    finished every row before it stops (a stop after that leaves the job complete)."""
+
+    def __init__(self, out: Path, count: int, rows: int = 4) -> None:
         super().__init__()
         self.shards, self.count = out / "shards", count
+        self.hooks = Hooks(admit=lambda index: index < rows)
 
     def is_set(self) -> bool:
         if not super().is_set() and len(list(self.shards.glob("part-*"))) >= self.count:
@@ -279,7 +288,7 @@ def test_an_input_without_fingerprint_is_checked_row_by_row(model_dir, tmp_path:
     model = model_dir("llama")
     out = tmp_path / "out"
     spec = spec_for(model, tmp_path / "unused", out, *SAMPLED, "output.shard_rows=2")
-    first = run_job(spec, source=source(PROMPTS), stop=StopAfterShards(out, 2))
+    first = run_job(spec, source=source(PROMPTS), **stop_after_shards(out, 2))
     assert not first.complete
     changed = [f"{p} (edited)" for p in PROMPTS]
     with pytest.raises(BatchgenError, match=r"input row \d+ is not the row"):
