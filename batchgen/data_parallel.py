@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -137,7 +137,10 @@ def _generate(
     beat.finish(RankEnd(group.rank, read_all, failure, beat.progress(), startup))
     try:
         if group.rank == 0:
-            outcome = _end_on_rank0(spec, layout, plan, beat, started, rows_read, bar, error)
+            tokenizer = ready.engine.tokenizer
+            outcome = _end_on_rank0(
+                spec, layout, plan, beat, started, rows_read, bar, error, tokenizer
+            )
         else:
             outcome = beat.wait_outcome()
     finally:
@@ -174,6 +177,7 @@ def _end_on_rank0(
     rows_read: int,
     bar: tqdm,
     error: BaseException | None,
+    tokenizer: Any,
 ) -> Outcome:
     """Wait for every rank's end, then write the final file and summary.json; publish them
     (an outcome is published even when this fails, so that no rank waits for it)."""
@@ -182,7 +186,8 @@ def _end_on_rank0(
         after = scan_committed(layout, _to_stderr)
         ended = all(k in ends and ends[k].read_all for k in range(beat.world))
         complete = ended and error is None and after.indexes >= set(range(rows_read))
-        files = write_results(spec, layout) if complete and spec.output.final_file else None
+        final = complete and spec.output.final_file
+        files = write_results(spec, layout, tokenizer) if final else None
     except Exception as exc:
         failed = Stop(0, "rank 0 failed", Failure.of(exc))
         mine = _summary(beat.progress(), started, len(plan.done), plan.resuming, beat.world)

@@ -290,7 +290,8 @@ def _run(
     after = scan_committed(layout, _to_stderr)
     # a stop that came once every row was committed leaves the job complete
     complete = producer.finished and after.indexes >= set(range(producer.rows_read))
-    files = write_results(spec, layout) if complete and spec.output.final_file else None
+    final = complete and spec.output.final_file
+    files = write_results(spec, layout, engine.tokenizer) if final else None
     if stats.first_row_at is not None:
         startup["first_row"] = round(stats.first_row_at - started, 3)
     cached = cache()
@@ -615,10 +616,10 @@ def show_rates(
     )
 
 
-def write_results(spec: JobSpec, layout: OutputLayout) -> FinalFiles:
+def write_results(spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalFiles:
     """The final file(s) in input order (the format decides which)."""
     try:
-        return input_format(spec.input.format).write_results(spec, layout)
+        return input_format(spec.input.format).write_results(spec, layout, tokenizer)
     except OSError as exc:
         raise _write_failed(exc, layout) from exc
 

@@ -13,6 +13,7 @@ from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
 from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.job import run_job
+from batchgen.token_bytes import TokenBytes
 from tests.helpers import stop_after
 from tests.test_job import spec_for, write_jsonl
 
@@ -84,7 +85,7 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
         tmp_path / "in.jsonl",
         [
             request("c1", model="m-1", max_tokens=5, n=2, temperature=0.8, seed=3),
-            request("c2", max_completion_tokens=4, logprobs=True, top_logprobs=2, stop=["\n"]),
+            request("c2", max_completion_tokens=4, logprobs=True, top_logprobs=20, stop=["\n"]),
             request("c3", messages=[{"role": "user", "content": parts}], seed=None),
             request("t1", COMPLETIONS, max_tokens=6, logprobs=1, stop="zzz", temperature=0),
         ],
@@ -103,14 +104,29 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
     assert c1.usage.total_tokens == c1.usage.prompt_tokens + 10
     assert c2.usage.completion_tokens == 4 and c3.usage.completion_tokens == 256
     tokens = c2.choices[0].logprobs.content
-    assert len(tokens) == 4 and all(len(t.top_logprobs) == 2 for t in tokens)
-    assert all(t.bytes == list(t.token.encode()) for t in tokens)
+    assert len(tokens) == 4 and all(len(t.top_logprobs) == 20 for t in tokens)
+    assert all(t.token == bytes(t.bytes).decode("utf-8", "backslashreplace") for t in tokens)
+    every = [*tokens, *(top for t in tokens for top in t.top_logprobs)]
+    partial = [t for t in every if not _is_utf8(bytes(t.bytes))]
+    assert partial and all("\\x" in t.token and "\ufffd" not in t.token for t in partial)
+    joined = b"".join(bytes(t.bytes) for t in tokens).decode("utf-8", "replace")
+    assert joined.startswith(c2.choices[0].message.content)  # cut before its stop string
     assert isinstance(t1, Completion) and t1.object == "text_completion"
     assert len(t1.choices[0].logprobs.tokens) == 6
-    assert "".join(t1.choices[0].logprobs.tokens) == t1.choices[0].text
     engine = Engine(model, EngineConfig(device="cpu"))
     (ref,) = engine.generate(["Once upon a time t1"], SamplingParams(max_new_tokens=6))
     assert t1.choices[0].text == ref.text  # prompt as text, max_tokens -> max_new_tokens
+    # each token as its own bytes show it (part of a character as \xNN escapes)
+    token_bytes = TokenBytes(engine.tokenizer)
+    assert t1.choices[0].logprobs.tokens == [token_bytes.text(i) for i in ref.output_token_ids]
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def test_a_line_for_another_model_is_an_error_line(model: Path, tmp_path: Path) -> None:

@@ -53,8 +53,8 @@ class InputFormat(Protocol):
 
     def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> RowBuilder: ...
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
-        """Write the final file(s) from the committed shards."""
+    def write_results(self, spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalFiles:
+        """Write the final file(s) from the committed shards (tokenizer: the model's)."""
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         """A line for `batchgen validate` about the rows (e.g. how many cannot run and why)."""

@@ -71,7 +71,7 @@ class RowsFormat:
     def builder(self, spec: JobSpec, tokenizer: Any, max_prompt_tokens: int) -> PromptBuilder:
         return PromptBuilder(spec.prompt, tokenizer, max_prompt_tokens, spec.sampling)
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
+    def write_results(self, spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalFiles:
         result = layout.results(spec.output.format)
         write_final(layout, spec.output.format, result)
         return FinalFiles(str(result))

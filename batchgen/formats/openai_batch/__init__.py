@@ -17,6 +17,7 @@ from batchgen.formats.openai_batch.results import write_openai_results
 from batchgen.io import InputSource, OutputLayout
 from batchgen.io.readers import OPENAI_BATCH
 from batchgen.prompts import PromptConfig
+from batchgen.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from batchgen.spec import JobSpec
@@ -59,9 +60,10 @@ class OpenAIBatchFormat:
             spec.prompt, tokenizer, max_prompt_tokens, spec.sampling, spec.model.names
         )
 
-    def write_results(self, spec: JobSpec, layout: OutputLayout) -> FinalFiles:
+    def write_results(self, spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalFiles:
         results, errors = layout.openai_results, layout.openai_errors
-        write_openai_results(layout, spec.output.format, spec.model.names[0], results, errors)
+        name, tokens = spec.model.names[0], TokenBytes(tokenizer)
+        write_openai_results(layout, spec.output.format, name, results, errors, tokens)
         return FinalFiles(str(results), str(errors))
 
     def report(self, spec: JobSpec, source: InputSource) -> str:

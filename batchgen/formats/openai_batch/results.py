@@ -24,23 +24,31 @@ from batchgen.io.atomic import write_atomic
 from batchgen.io.checkpoint import iter_shard_rows
 from batchgen.io.final import write_final
 from batchgen.io.layout import OutputLayout, temp_path
+from batchgen.token_bytes import TokenBytes
 
 Row = dict[str, Any]
 
 
 def write_openai_results(
-    layout: OutputLayout, shard_format: str, model: str, results: Path, errors: Path
+    layout: OutputLayout,
+    shard_format: str,
+    model: str,
+    results: Path,
+    errors: Path,
+    tokens: TokenBytes,
 ) -> tuple[int, int]:
     """Write `results` and `errors` from the committed shards -> (ok lines, error lines).
 
-    model: the name put in a response when the request's body gave none.
+    model: the name put in a response when the request's body gave none; tokens: the model's
+    token bytes (logprobs give each token's bytes, which its decoded text may have lost).
     """
     sorted_rows = temp_path(layout.dir / f"sorted.{shard_format}")
     write_final(layout, shard_format, sorted_rows)
     created = int(time.time())
 
     def fill(ok_file: IO[bytes], error_file: IO[bytes]) -> tuple[int, int]:
-        return _emit(_groups(iter_shard_rows(sorted_rows)), ok_file, error_file, model, created)
+        groups = _groups(iter_shard_rows(sorted_rows))
+        return _emit(groups, ok_file, error_file, model, created, tokens)
 
     try:  # both files atomically: errors first, then results
         return write_atomic(results, lambda ok: write_atomic(errors, lambda bad: fill(ok, bad)))
@@ -55,7 +63,12 @@ def _groups(rows: Iterator[Row]) -> Iterator[list[Row]]:
 
 
 def _emit(
-    groups: Iterator[list[Row]], ok_file: IO[bytes], error_file: IO[bytes], model: str, created: int
+    groups: Iterator[list[Row]],
+    ok_file: IO[bytes],
+    error_file: IO[bytes],
+    model: str,
+    created: int,
+    tokens: TokenBytes,
 ) -> tuple[int, int]:
     seen: set[str] = set()  # custom_ids so far: a later line with one is the duplicate
     counts = [0, 0]
@@ -66,7 +79,7 @@ def _emit(
             seen.add(custom_id)
         failed = next((r for r in rows if r["error"] is not None), None)
         if failed is None:
-            line, target, slot = _success(rows, custom_id, model, created), ok_file, 0
+            line, target, slot = _success(rows, custom_id, model, created, tokens), ok_file, 0
         else:
             line, target, slot = _failure(failed, custom_id, duplicate), error_file, 1
         target.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
@@ -97,7 +110,9 @@ def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
     return {"id": f"batch_req_{index}", "custom_id": custom_id, "response": response, "error": None}
 
 
-def _success(rows: list[Row], custom_id: str | None, model: str, created: int) -> Row:
+def _success(
+    rows: list[Row], custom_id: str | None, model: str, created: int, tokens: TokenBytes
+) -> Row:
     first = rows[0]
     index, chat = first["index"], first.get("url") == CHAT_URL
     prompt_tokens = first["num_prompt_tokens"]
@@ -107,7 +122,7 @@ def _success(rows: list[Row], custom_id: str | None, model: str, created: int) -
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": first.get("model") or model,
-        "choices": [_chat_choice(r) if chat else _text_choice(r) for r in rows],
+        "choices": [_chat_choice(r, tokens) if chat else _text_choice(r, tokens) for r in rows],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -118,11 +133,14 @@ def _success(rows: list[Row], custom_id: str | None, model: str, created: int) -
     return {"id": f"batch_req_{index}", "custom_id": custom_id, "response": response, "error": None}
 
 
-def _chat_choice(row: Row) -> Row:
+def _chat_choice(row: Row, tokens: TokenBytes) -> Row:
     logprobs = None
     if row.get("logprobs") is not None:
         content = [
-            {**_chat_logprob(lp), "top_logprobs": [_chat_logprob(t) for t in lp["top_logprobs"]]}
+            {
+                **_chat_logprob(lp, tokens),
+                "top_logprobs": [_chat_logprob(t, tokens) for t in lp["top_logprobs"]],
+            }
             for lp in row["logprobs"]
         ]
         logprobs = {"content": content, "refusal": None}
@@ -134,20 +152,22 @@ def _chat_choice(row: Row) -> Row:
     }
 
 
-def _chat_logprob(entry: Row) -> Row:
-    token = entry["token"]
-    return {"token": token, "logprob": entry["logprob"], "bytes": list(token.encode("utf-8"))}
+def _chat_logprob(entry: Row, tokens: TokenBytes) -> Row:
+    token_id = entry["token_id"]
+    own = tokens(token_id)
+    return {"token": tokens.text(token_id), "logprob": entry["logprob"], "bytes": list(own)}
 
 
-def _text_choice(row: Row) -> Row:
+def _text_choice(row: Row, tokens: TokenBytes) -> Row:
     logprobs = None
     if row.get("logprobs") is not None:
         entries = row["logprobs"]
         logprobs = {
-            "tokens": [lp["token"] for lp in entries],
+            "tokens": [tokens.text(lp["token_id"]) for lp in entries],
             "token_logprobs": [lp["logprob"] for lp in entries],
             "top_logprobs": [
-                {t["token"]: t["logprob"] for t in lp["top_logprobs"]} for lp in entries
+                {tokens.text(t["token_id"]): t["logprob"] for t in lp["top_logprobs"]}
+                for lp in entries
             ],
             "text_offset": None,  # offsets into prompt + completion text are not tracked
         }
