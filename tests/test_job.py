@@ -441,6 +441,10 @@ def test_vllm_sampling_names_and_a_lone_stop_string() -> None:
     with pytest.raises(BatchgenError, match="max_tokens and max_new_tokens are the same"):
         load_spec(None, [*base, "sampling.max_tokens=7", "sampling.max_new_tokens=8"])
     assert SamplingParams().replace(max_tokens=3).max_new_tokens == 3
+    assert load_spec(None, [*base, "sampling.top_k=-1"]).sampling.top_k == 0  # vLLM's "off"
+    assert SamplingParams(top_k=-1) == SamplingParams()
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
 
 
 WARM_SCRIPT = """

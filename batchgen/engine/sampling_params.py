@@ -19,7 +19,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     min_new_tokens: int = 0  # end-of-sequence and stop tokens are banned before this many
     temperature: float = 0.0
-    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    top_k: int = 0  # keep the k most likely tokens; 0 (or vLLM's -1) = all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
@@ -49,6 +49,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's "off" is our 0
+            object.__setattr__(self, "top_k", 0)
         if isinstance(self.json_schema, dict):  # kept as text: hashable, the order kept
             object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         for problem in _problems(self):
@@ -124,7 +126,7 @@ def _problems(p: SamplingParams) -> list[str]:
         ("max_new_tokens", _is_int(p.max_new_tokens, 1), "be an integer >= 1"),
         ("min_new_tokens", _is_int(p.min_new_tokens), "be an integer >= 0"),
         ("temperature", _is_num(p.temperature) and p.temperature >= 0, "be a number >= 0"),
-        ("top_k", _is_int(p.top_k), "be an integer >= 0 (0 = off)"),
+        ("top_k", _is_int(p.top_k), "be an integer >= 0 (0 or -1 = off)"),
         ("top_p", _is_num(p.top_p) and 0 < p.top_p <= 1, "be in (0, 1]"),
         ("min_p", _is_num(p.min_p) and 0 <= p.min_p <= 1, "be in [0, 1]"),
         (
