@@ -256,7 +256,7 @@ class Consumer(threading.Thread):
 
     def _row(self, prompt: RowPrompt, out: RequestOutput | None, texts: list[str]) -> OutputRow:
         """texts: those of _texts_wanted(prompt, out), in its order."""
-        error = prompt.error if out is None else out.error
+        error = prompt.error if out is None else _own_error(out)
         generated = [] if out is None or error else out.output_token_ids
         if out is not None and out.text is not None:
             text = out.text
@@ -294,6 +294,14 @@ class Consumer(threading.Thread):
                 s.rows_error += 1
             s.generated_tokens += row.num_generated_tokens
         s.prompt_tokens += prompt_tokens
+
+
+def _own_error(out: RequestOutput) -> str | None:
+    """The engine's error for a row, without the "request <id>: " it begins with (the job's
+    request ids are row positions; the row itself says which it is)."""
+    if out.error is None:
+        return None
+    return out.error.removeprefix(f"request {out.request_id}: ")
 
 
 def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int]]:

@@ -172,6 +172,7 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
     assert "'prompt' is missing or null" in messages[1] and "missing or null" in messages[2]
     assert "prompt is empty" in messages[3]
     assert "max_model_len" in messages[4]
+    assert messages[4].startswith("prompt has"), "no engine request id: the row is the context"
     assert "not text" in messages[5]
     assert "temperature" in messages[6]
     assert "duplicate id 'ok-1'" in messages[7]
