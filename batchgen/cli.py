@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -357,7 +357,7 @@ def build_default() -> None:
 ABORTED = "batchgen: aborted; committed rows are kept: run again to resume"
 
 
-def _abort() -> None:
+def _abort() -> NoReturn:
     """Leave at once, as SIGKILL would: committed shards are whole, a rerun redoes the rest.
     Not by raising KeyboardInterrupt from the handler: where that lands in a weakref callback
     or a __del__, Python prints it as a traceback and carries on."""
@@ -369,20 +369,13 @@ def _abort() -> None:
 class _stop_on_signals:
     """SIGINT/SIGTERM set `stop` (finish the step, commit, exit); a second SIGINT aborts."""
 
-    def __init__(
-        self,
-        stop: threading.Event,
-        received: list[int],
-        echo: bool = True,
-        abort: Callable[[], None] = _abort,
-    ) -> None:
-        self.stop, self.received, self.echo, self.abort = stop, received, echo, abort
+    def __init__(self, stop: threading.Event, received: list[int], echo: bool = True) -> None:
+        self.stop, self.received, self.echo = stop, received, echo
         self.previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop.is_set() and signum == signal.SIGINT:
-            self.abort()
-            return
+            _abort()
         self.received.append(signum)
         self.stop.set()
         if self.echo:
