@@ -284,13 +284,33 @@ def _messages(value: Any, column: str) -> list[dict[str, Any]]:
         raise ValueError(
             f"column {column!r} must hold a non-empty list of {{role, content}} messages"
         )
+    out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(
                 f"column {column!r} message {i} must be an object with a string role and its "
                 f"content, not {type(message).__name__}"
             )
-    return value
+        try:
+            out.append({**message, "content": message_text(message.get("content"))})
+        except ValueError as exc:
+            raise ValueError(f"column {column!r} message {i}: {exc}") from exc
+    return out
+
+
+def message_text(content: Any) -> str:
+    """A chat message's content as the chat template gets it: text, or a list of text parts
+    joined by newlines (as vLLM joins them); anything else (no content, an image) is a
+    ValueError, never rendered as Python's repr of it by a template."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "\n".join(p["text"] for p in content)
+    kind = "none" if content is None else type(content).__name__
+    raise ValueError(f"content must be text or a list of text parts, not {kind}")
 
 
 def writable(text: str) -> str:

@@ -272,6 +272,40 @@ def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     assert "must hold a non-empty list" in bad["error"]
 
 
+LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] | trim + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_content_as_text_parts_is_joined_and_other_content_is_an_error_row(
+    model_dir,
+) -> None:
+    """Text parts ({"type": "text", "text": ...}) are joined by newlines, as vLLM joins them;
+    content that is no text (none, an image part) is an error row, not a prompt holding
+    Python's repr of it (which a template that filters its content would render)."""
+    from batchgen import SamplingParams
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    engine = Engine(model_dir("llama"), EngineConfig(device="cpu"))
+    tokenizer = engine.tokenizer
+    tokenizer.chat_template = LLAMA3_STYLE
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    rows = [
+        {"m": [{"role": "user", "content": parts}]},
+        {"m": [{"role": "user", "content": "Hi\nthere"}]},
+        {"m": [{"role": "user", "content": None}]},
+        {"m": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ]
+    joined, plain, empty, image = builder.build_many(list(enumerate(rows)))
+    assert joined.error is None and joined.prompt_ids == plain.prompt_ids
+    assert "'type'" not in tokenizer.decode(joined.prompt_ids)
+    assert "message 0: content must be text or a list of text parts, not none" in empty.error
+    assert "not list" in image.error and image.prompt_ids is None
+
+
 @pytest.mark.parametrize("prompt", ["prompt.column='prompt'", "prompt.template='Q: {prompt}'"])
 def test_a_system_prompt_without_chat_messages_is_refused(
     model_dir, tmp_path: Path, prompt: str

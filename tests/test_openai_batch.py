@@ -119,6 +119,9 @@ def test_chat_and_completion_lines(model: Path, tmp_path: Path) -> None:
     # each token as its own bytes show it (part of a character as \xNN escapes)
     token_bytes = TokenBytes(engine.tokenizer)
     assert t1.choices[0].logprobs.tokens == [token_bytes.text(i) for i in ref.output_token_ids]
+    chat = [{"role": "user", "content": "Hi \nthere"}]  # text parts joined as vLLM joins them
+    text = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert c3.usage.prompt_tokens == len(engine.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.prompts import message_text
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -268,22 +269,12 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     for message in value:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError("invalid_value", "each message needs a role", "messages")
-        out.append({**message, "content": _content(message.get("content"))})
+        try:
+            text = message_text(message.get("content"))
+        except ValueError as exc:
+            raise RequestError("invalid_value", f"message {exc}", "messages") from exc
+        out.append({**message, "content": text})
     return out
-
-
-def _content(value: Any) -> str:
-    """A message's content: text, or a list of text parts (joined)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in value
-    ):
-        return "".join(p["text"] for p in value)
-    raise RequestError(
-        "invalid_value", "message content must be text or a list of text parts", "messages"
-    )
 
 
 def _prompt(value: Any) -> str:
