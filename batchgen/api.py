@@ -96,6 +96,7 @@ class Generator:
             "truncate": truncate,
         }
         spec = self._spec(prompt, sampling, include_token_ids, progress, batch_rows)
+        input_format(spec.input.format).check(spec)  # now, not when a lazy result is read
         if checkpoint_dir is not None and scheme_of(str(checkpoint_dir)):
             raise BatchgenError(
                 f"checkpoint_dir={str(checkpoint_dir)!r}: the datasets API keeps its checkpoint "

@@ -157,6 +157,8 @@ def test_user_errors_are_one_line(gen: Generator) -> None:
         gen([{"prompt": "hi"}])
     with pytest.raises(BatchgenError, match="no column 'question'"):
         gen(table(), template="Q: {question}")
+    with pytest.raises(BatchgenError, match="system_prompt applies to chat messages"):
+        gen(table().to_iterable_dataset(), system_prompt="Be brief.")  # at the call, not later
 
 
 def test_module_level_generate(model_dir) -> None:
