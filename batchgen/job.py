@@ -239,6 +239,13 @@ def _with_engine(
     then the pipeline."""
     if engine.tokenizer is None:
         raise BatchgenError(f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one")
+    if spec.prompt.messages_column is not None and not getattr(
+        engine.tokenizer, "chat_template", None
+    ):  # else every row would be an error row
+        raise BatchgenError(
+            f"model '{spec.model.path}' has no chat template, so prompt.messages_column cannot "
+            "be rendered: use an instruction-tuned model, or prompt.column / prompt.template"
+        )
     try:  # a job-wide schema that cannot be compiled is one error, not one per row
         engine.check_grammar(spec.sampling)
     except ValueError as exc:

@@ -209,7 +209,7 @@ class PromptBuilder:
                 ) from exc
             return self._checked(text), False
         if cfg.template is not None:
-            fields = {name: _value(values, name) for name in template_fields(cfg.template)}
+            fields = {name: _field(values, name) for name in template_fields(cfg.template)}
             text = cfg.template.format(**fields)
         else:
             text = _value(values, cfg.text_column)
@@ -372,6 +372,18 @@ def _value(values: dict[str, Any], column: str | None) -> Any:
     value = values.get(column) if column is not None else None
     if value is None:
         raise ValueError(f"column {column!r} is missing or null")
+    return value
+
+
+def _field(values: dict[str, Any], column: str) -> Any:
+    """A template field's value: text, a number, a date; a list, an object or bytes would be
+    written into the prompt as Python's repr of it."""
+    value = _value(values, column)
+    if isinstance(value, (list, tuple, dict, set, bytes, bytearray)):
+        raise ValueError(
+            f"template field {column!r} holds {type(value).__name__}, not text or a number "
+            "(it would be written as Python's repr): put its text into a column of its own"
+        )
     return value
 
 

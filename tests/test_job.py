@@ -279,6 +279,26 @@ LLAMA3_STYLE = (  # renders content through a filter: a list would become its Py
 )
 
 
+def test_chat_messages_for_a_model_without_a_chat_template_are_refused(
+    model_dir, tmp_path: Path
+) -> None:
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(model_dir("llama"), base)
+    (base / "chat_template.jinja").unlink()  # a base model: no chat template
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"m": [{"role": "user", "content": "hi"}], "prompt": "hi"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(base, inp, tmp_path / "out", "prompt.messages_column='m'")
+    with pytest.raises(BatchgenError, match=r"has no chat template, so prompt\.messages_column"):
+        run_job(spec)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert run_job(spec_for(base, inp, tmp_path / "ok", "sampling.max_new_tokens=2")).complete
+
+
 def test_chat_content_as_text_parts_is_joined_and_other_content_is_an_error_row(
     model_dir,
 ) -> None:
@@ -383,6 +403,27 @@ def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
     out = read_rows(tmp_path / "out")
     assert [r["num_generated_tokens"] for r in out] == [1, 3, 6]
     assert out[2]["text"].startswith(out[1]["text"])  # same seed: same draws, longer limit
+
+
+def test_a_template_field_holding_a_list_or_object_is_an_error_row(
+    model_dir, tmp_path: Path
+) -> None:
+    rows = [
+        {"topic": "rain", "n": 3},
+        {"topic": ["rain", "snow"], "n": 3},
+        {"topic": {"name": "rain"}, "n": 3},
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("prompt.template='Write {n} lines on {topic}.'", "sampling.max_new_tokens=2")
+    run_job(
+        spec_for(model_dir("llama"), inp, tmp_path / "out", *sets, "output.include_token_ids=true")
+    )
+    ok, listed, obj = read_rows(tmp_path / "out")
+    assert ok["error"] is None
+    tokenizer = Engine(model_dir("llama"), EngineConfig(device="cpu")).tokenizer
+    assert ok["prompt_token_ids"] == tokenizer("Write 3 lines on rain.").input_ids
+    assert "template field 'topic' holds list" in listed["error"]
+    assert "template field 'topic' holds dict" in obj["error"]
 
 
 def test_job_level_errors_before_model_work(model_dir, tmp_path: Path) -> None:
