@@ -23,6 +23,7 @@ class RequestBuilder:
         served_names: tuple[str, ...],
     ) -> None:
         self.served_names = served_names  # body.model must be one of these (or absent)
+        self.context = max_prompt_tokens + 1  # max_model_len
         common = {
             "id_column": ID_COLUMN,
             "sampling_column": SAMPLING_COLUMN,
@@ -48,8 +49,29 @@ class RequestBuilder:
                 if out[i] is None and (values.get("messages") is not None) is chat
             ]
             for i, built in zip(todo, builder.build_many([rows[i] for i in todo]), strict=True):
-                out[i] = built
+                out[i] = self._within_context(built)
         return out
+
+    def _within_context(self, row: RowPrompt) -> RowPrompt:
+        """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its
+        prompt in the context is an error line, not one cut short at the context."""
+        asked = row.overrides.get("max_new_tokens")
+        if row.prompt_ids is None or asked is None or len(row.prompt_ids) >= self.context:
+            return row  # a prompt over the context is refused as such
+        room = self.context - len(row.prompt_ids)
+        if asked <= room:
+            return row
+        message = (
+            f"max_tokens={asked:,} is too large: the model's context is {self.context:,} tokens "
+            f"(max_model_len) and the request has {len(row.prompt_ids):,} prompt tokens, so at "
+            f"most {room:,} can be generated: lower max_tokens"
+        )
+        passthrough = {
+            **row.passthrough,
+            "error_code": "invalid_value",
+            "error_param": "max_tokens",
+        }
+        return row._replace(prompt_ids=None, overrides={}, passthrough=passthrough, error=message)
 
     def _error_row(self, index: int, values: dict[str, Any]) -> RowPrompt | None:
         """The row of a line that cannot run (bad line, model not served), else None."""
