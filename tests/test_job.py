@@ -193,6 +193,29 @@ def test_truncation_policy_keeps_long_prompts(model_dir, tmp_path: Path, mode: s
     assert row["num_generated_tokens"] == 8 or row["finish_reason"] == "stop"
 
 
+def test_chat_prompts_are_truncated_on_the_left_only(model_dir, tmp_path: Path) -> None:
+    """Cutting a chat prompt's right end would cut off the template's turn for the reply (the
+    model would go on with the user's text): such a row is an error row; the left end may go."""
+    model = model_dir("llama", max_position_embeddings=48)
+    long = [{"role": "user", "content": " ".join(["word"] * 200)}]
+    short = [{"role": "user", "content": "hi"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"m": long}, {"m": short}])
+    sets = (
+        "prompt.messages_column='m'",
+        "sampling.max_new_tokens=8",
+        "output.include_token_ids=true",
+    )
+    run_job(spec_for(model, inp, tmp_path / "right", *sets, "prompt.truncate='right'"))
+    cut, fine = read_rows(tmp_path / "right")
+    assert "truncate='right' would cut off the chat template's turn" in cut["error"]
+    assert fine["error"] is None
+    run_job(spec_for(model, inp, tmp_path / "left", *sets, "prompt.truncate='left'"))
+    kept, _ = read_rows(tmp_path / "left")
+    tokenizer = Engine(model, EngineConfig(device="cpu")).tokenizer
+    reply = tokenizer("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    assert kept["error"] is None and kept["prompt_token_ids"][-len(reply) :] == reply
+
+
 @pytest.mark.parametrize("mode", ["left", "right"])
 def test_truncation_that_would_leave_no_prompt_is_an_error_row(
     model_dir, tmp_path: Path, mode: str
