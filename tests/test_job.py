@@ -449,6 +449,37 @@ def test_a_template_field_holding_a_list_or_object_is_an_error_row(
     assert "template field 'topic' holds dict" in obj["error"]
 
 
+def test_jsonl_output_writes_dates_bytes_and_decimals_as_json_does(
+    model_dir, tmp_path: Path
+) -> None:
+    """Types JSON lacks: ISO 8601 dates and times, base64 bytes, decimals as their exact text;
+    never Python's repr (b'...')."""
+    import base64
+    import datetime
+    import decimal
+
+    table = pa.table(
+        {
+            "prompt": ["hi"],
+            "ts": pa.array([datetime.datetime(2024, 1, 2, 3, 4, 5)], pa.timestamp("us")),
+            "day": pa.array([datetime.date(2024, 1, 2)], pa.date32()),
+            "blob": pa.array([b"\x00\xffab"], pa.binary()),
+            "price": pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)),
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    sets = ("prompt.passthrough=['ts', 'day', 'blob', 'price']", "output.format='jsonl'")
+    out = tmp_path / "out"
+    run_job(
+        spec_for(
+            model_dir("llama"), tmp_path / "in.parquet", out, *sets, "sampling.max_new_tokens=2"
+        )
+    )
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert row["ts"] == "2024-01-02T03:04:05" and row["day"] == "2024-01-02"
+    assert base64.b64decode(row["blob"]) == b"\x00\xffab" and row["price"] == "1.50"
+
+
 def test_job_level_errors_before_model_work(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])

@@ -7,6 +7,8 @@ either the whole shard or none of it visible. Its columns are the job's fixed sc
 
 from __future__ import annotations
 
+import base64
+import datetime
 import json
 import math
 import os
@@ -122,9 +124,19 @@ def encode_jsonl(rows: list[Row], columns: Columns, f: IO[bytes]) -> None:
 def json_line(row: Row) -> str:
     """One JSON line. JSON has no NaN or infinity: such numbers are written as null."""
     try:
-        return json.dumps(row, ensure_ascii=False, default=str, allow_nan=False) + "\n"
+        return json.dumps(row, ensure_ascii=False, default=json_value, allow_nan=False) + "\n"
     except ValueError:
-        return json.dumps(_finite(row), ensure_ascii=False, default=str) + "\n"
+        return json.dumps(_finite(row), ensure_ascii=False, default=json_value) + "\n"
+
+
+def json_value(value: Any) -> Any:
+    """JSON's form of a value JSON has no type for: dates and times in ISO 8601, bytes in
+    base64, anything else (a decimal) as its exact text; never Python's repr of it."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return str(value)
 
 
 def _finite(value: Any) -> Any:
@@ -200,4 +212,4 @@ def as_text(value: Any) -> str | None:
     """Text form of a pass-through value: strings as they are, anything else as JSON."""
     if value is None or isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, default=str)
+    return json.dumps(value, ensure_ascii=False, default=json_value)
