@@ -407,6 +407,8 @@ def test_a_jsonl_column_that_no_line_has_is_refused(
     check_job(spec_for(model, escaped, tmp_path / "o3", name))
     with pytest.raises(BatchgenError, match="no column 'température'"):
         check_job(spec_for(model, inp, tmp_path / "o4", name))
+    # the prompt column too: missing from the first lines is not missing from the input
+    check_job(spec_for(model, tmp_path / "late.jsonl", tmp_path / "o5", "prompt.column='temp'"))
 
 
 def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
