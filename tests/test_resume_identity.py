@@ -109,6 +109,21 @@ def test_a_result_affecting_setting_is_part_of_the_identity(
         job(change)
 
 
+def test_a_setting_an_older_manifest_lacks_is_named_not_guessed(job, tmp_path: Path) -> None:
+    """A result-affecting setting added to the identity later: an earlier run's manifest does
+    not say which value it ran with, so resuming it is refused (--force-resume keeps it)."""
+    assert not job(
+        "runtime.max_num_seqs=2", "output.shard_rows=2", **stop_after_shards(tmp_path / "out", 2)
+    ).complete
+    manifest = tmp_path / "out" / "job.json"
+    data = json.loads(manifest.read_text())
+    del data["identity"]["settings"]["runtime.kv_cache_dtype"]
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(BatchgenError, match=r"runtime\.kv_cache_dtype was not recorded"):
+        job()
+    assert job(force_resume=True).complete
+
+
 def test_settings_that_cannot_change_a_row_may_change(job, tmp_path: Path) -> None:
     assert not job(
         "runtime.max_num_seqs=2", "output.shard_rows=2", **stop_after_shards(tmp_path / "out", 2)

@@ -48,7 +48,9 @@ def identity_changes(
         if part == "settings":
             for key in sorted(new or {}):
                 a, b = (old or {}).get(key), (new or {}).get(key)
-                if a != b:
+                if key not in (old or {}):  # an identity written before batchgen recorded it
+                    out.append(f"setting {key} was not recorded by the earlier run (now {b!r})")
+                elif a != b:
                     out.append(f"setting {key} changed ({a!r} -> {b!r})")
         elif part == "input" and _content(old) != _content(new):
             out.append(f"the input changed ({describe_input_change(old, new)})")
