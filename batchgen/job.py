@@ -53,6 +53,7 @@ from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
+from batchgen.token_bytes import TokenBytes
 from batchgen.tokenizer_pool import TokenizerPool, row_hash
 
 if TYPE_CHECKING:  # an engine in this process is imported only when the job makes one
@@ -461,6 +462,7 @@ def run_pipeline(
     consumer = Consumer(
         writer,
         tokenizers.decode,
+        TokenBytes(engine.tokenizer).text,
         out.include_token_ids,
         on_row,
         hooks.on_rows,

@@ -179,6 +179,7 @@ class Consumer(threading.Thread):
         self,
         writer: ShardWriter,
         decode: Callable[[list[list[int]]], list[str]],
+        token_text: Callable[[int], str],
         include_token_ids: bool,
         on_row: Callable[[Stats], None],
         on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -186,6 +187,7 @@ class Consumer(threading.Thread):
         super().__init__(name="batchgen-writer", daemon=True)
         self.writer = writer
         self.decode = decode  # token-id lists -> their texts
+        self.token_text = token_text  # a logprob entry's token as text (token_bytes.TokenBytes)
         self.include_token_ids = include_token_ids
         self.on_row = on_row
         self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
@@ -266,8 +268,7 @@ class Consumer(threading.Thread):
             error = output_problem(out.check, text)  # a complete structured output
         logprobs = None
         if out is not None and out.logprobs is not None and not error:
-            tokens = iter(texts)
-            logprobs = [_logprob_entry(lp, tokens) for lp in out.logprobs]
+            logprobs = [_logprob_entry(lp, self.token_text) for lp in out.logprobs]
         ids = self.include_token_ids
         return OutputRow(
             index=prompt.index,
@@ -305,25 +306,21 @@ def _own_error(out: RequestOutput) -> str | None:
 
 
 def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int]]:
-    """The token-id lists an item's row shows as text, in the order _row reads them: the
-    output (unless the engine gave its text), then each logprob entry's token and top tokens."""
+    """The token-id lists an item's row shows as text: its output, unless the engine gave
+    its text (an error row: one empty list)."""
     error = prompt.error if out is None else out.error
     if out is None or error:
         return [[]]
-    seqs = [] if out.text is not None else [out.text_token_ids]
-    for lp in out.logprobs or ():
-        seqs.append([lp.token_id])
-        seqs.extend([t] for t in lp.top_ids)
-    return seqs
+    return [] if out.text is not None else [out.text_token_ids]
 
 
-def _logprob_entry(lp: TokenLogprobs, texts: Iterator[str]) -> dict[str, Any]:
-    """An output row's logprob entry; texts yields the token's text, then its top tokens'."""
-    token = next(texts)
+def _logprob_entry(lp: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """An output row's logprob entry, each token shown as its own text (TokenBytes.text)."""
     top = [
-        {"token": next(texts), "token_id": t, "logprob": v}
+        {"token": token_text(t), "token_id": t, "logprob": v}
         for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
     ]
+    token = token_text(lp.token_id)
     return {"token": token, "token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": top}
 
 

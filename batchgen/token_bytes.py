@@ -49,18 +49,22 @@ class TokenBytes:
             for step in steps
             if step.get("type") == "Replace" and "String" in (step.get("pattern") or {})
         ] + [(step["replacement"], " ") for step in steps if step.get("type") == "Metaspace"]
-        self._cache: dict[int, bytes] = {}
+        self._bytes_of: dict[int, bytes] = {}
+        self._text_of: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> bytes:
-        out = self._cache.get(token_id)
+        out = self._bytes_of.get(token_id)
         if out is None:
-            out = self._cache[token_id] = self._bytes(token_id)
+            out = self._bytes_of[token_id] = self._bytes(token_id)
         return out
 
     def text(self, token_id: int) -> str:
         """The token as a string: its text, with bytes that are not (yet) a whole UTF-8
         character written as \\xNN escapes (as OpenAI's API writes them)."""
-        return self(token_id).decode("utf-8", "backslashreplace")
+        out = self._text_of.get(token_id)
+        if out is None:
+            out = self._text_of[token_id] = self(token_id).decode("utf-8", "backslashreplace")
+        return out
 
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self.special:

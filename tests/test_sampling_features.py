@@ -223,6 +223,26 @@ def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:
     assert outs["d"].finish_reason in ("stop", "length")
 
 
+def test_logprob_tokens_in_rows_show_their_own_bytes(path: Path, tmp_path: Path) -> None:
+    """A row's logprob tokens are each token's own text: a token holding part of a UTF-8
+    character shows those bytes as \\xNN escapes (as in OpenAI Batch output), not U+FFFD."""
+    from batchgen.token_bytes import TokenBytes
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hello"}, {"prompt": "日本語 😊"}])
+    sets = ("sampling.max_new_tokens=6", "sampling.logprobs=20", "sampling.ignore_eos=true")
+    run_job(spec_for(path, inp, tmp_path / "out", *sets))
+    tokens = TokenBytes(engine(path).tokenizer)
+    entries = [
+        e
+        for r in read_rows(tmp_path / "out")
+        for lp in r["logprobs"]
+        for e in (lp, *lp["top_logprobs"])
+    ]
+    assert all(e["token"] == tokens.text(e["token_id"]) for e in entries)
+    partial = [e for e in entries if "\\x" in e["token"]]
+    assert partial and not any("\ufffd" in e["token"] for e in entries)
+
+
 def test_job_rows_for_samples_logprobs_and_bad_values(path: Path, tmp_path: Path) -> None:
     inp = write_jsonl(
         tmp_path / "in.jsonl",
