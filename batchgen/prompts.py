@@ -98,6 +98,7 @@ class RowPrompt(NamedTuple):
     input_hash: str | None = None  # the row's hash, for sources checked row by row on resume
 
 
+NOT_SCALAR = (list, tuple, dict, set, bytes, bytearray)  # values with no text of their own
 MAX_NESTING = 32  # levels of lists/objects a pass-through value may have (Parquet reads ~45)
 CHAR_SLACK = 4  # a prompt longer than slack x tokens x longest token (in characters) cannot fit
 
@@ -175,10 +176,17 @@ class PromptBuilder:
     def _render(self, index: int, values: dict[str, Any]) -> RowPrompt | _Rendered:
         """The row checked and its prompt text rendered, or its error row."""
         cfg = self.config
-        raw_id = str(index) if cfg.id_column is None else _str_id(values.get(cfg.id_column))
+        given = None if cfg.id_column is None else values.get(cfg.id_column)
+        compound = isinstance(given, NOT_SCALAR)  # its text would be Python's repr of it
+        raw_id = str(index) if cfg.id_column is None else "" if compound else _str_id(given)
         row_id = writable(raw_id)
         passthrough, bad_column = _passthrough(values, cfg.passthrough)
         try:
+            if compound:
+                raise ValueError(
+                    f"id column {cfg.id_column!r} holds {type(given).__name__}: an id is text "
+                    "or a number"
+                )
             if row_id != raw_id:
                 raise ValueError(f"id {row_id!r} is not valid Unicode (a lone surrogate)")
             if not row_id:
@@ -386,7 +394,7 @@ def _field(values: dict[str, Any], column: str) -> Any:
     """A template field's value: text, a number, a date; a list, an object or bytes would be
     written into the prompt as Python's repr of it."""
     value = _value(values, column)
-    if isinstance(value, (list, tuple, dict, set, bytes, bytearray)):
+    if isinstance(value, NOT_SCALAR):
         raise ValueError(
             f"template field {column!r} holds {type(value).__name__}, not text or a number "
             "(it would be written as Python's repr): put its text into a column of its own"
