@@ -256,6 +256,10 @@ def test_cli_format_flag_and_prompt_section(model: Path, tmp_path: Path) -> None
     assert bad.exit_code == 2 and "[prompt] template does not apply" in bad.output
     with pytest.raises(BatchgenError, match="id_column does not apply"):
         run(model, inp, tmp_path / "o3", "prompt.id_column='custom_id'")
+    plain = [a for a in args if a not in ("--format", "openai-batch")]
+    missed = CliRunner().invoke(main, [*plain, "--output", str(tmp_path / "o4")])
+    assert missed.exit_code == 2
+    assert "OpenAI Batch requests: run it with --format openai-batch" in missed.output
 
 
 def test_body_fields_map_onto_sampling() -> None:

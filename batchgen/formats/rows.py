@@ -12,6 +12,7 @@ from batchgen.formats.base import FinalFiles
 from batchgen.io import InputSource, OutputLayout, open_input
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import RESERVED
+from batchgen.io.readers import OPENAI_BATCH
 from batchgen.prompts import PromptBuilder
 
 if TYPE_CHECKING:
@@ -63,9 +64,12 @@ class RowsFormat:
             missing = []
         if missing:
             seen = f" (keys of its first lines: {', '.join(source.columns)})"
+            fix = "fix [prompt] or the input"
+            if {"custom_id", "url", "body"} <= set(source.columns):
+                fix = f"its lines are OpenAI Batch requests: run it with --format {OPENAI_BATCH}"
             raise BatchgenError(
                 f"input has no column {missing[0]!r}: no line of {source.description} has "
-                f"that key{seen if source.columns else ''}: fix [prompt] or the input"
+                f"that key{seen if source.columns else ''}: {fix}"
             )
 
     def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
