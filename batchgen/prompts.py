@@ -266,14 +266,13 @@ class PromptBuilder:
         mode = self.config.truncate
         if mode == "error" or len(ids) <= self.max_prompt_tokens:
             return ids
+        context = self.max_prompt_tokens + 1
         if mode == "right" and self.config.messages_column is not None:
             raise ValueError(
                 f"prompt has {len(ids):,} tokens, more than the model's context of "
-                f"{self.max_prompt_tokens + 1:,} (max_model_len), and truncate='right' would cut "
-                "off the chat template's turn for the reply: shorten the messages, or use "
-                "truncate='left'"
+                f"{context:,} (max_model_len), and truncate='right' would cut off the chat "
+                "template's turn for the reply: shorten the messages, or use truncate='left'"
             )
-        context = self.max_prompt_tokens + 1
         keep = context - max_new_tokens
         if keep < 1:
             raise ValueError(
