@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine import NOT_READY
+from batchgen.engine.detokenize import CONTEXT_TOKENS, TextIds
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
@@ -178,7 +179,7 @@ class Consumer(threading.Thread):
     def __init__(
         self,
         writer: ShardWriter,
-        decode: Callable[[list[list[int]]], list[str]],
+        decode: Callable[[list[TextIds]], list[str]],
         token_text: Callable[[int], str],
         include_token_ids: bool,
         on_row: Callable[[Stats], None],
@@ -186,7 +187,7 @@ class Consumer(threading.Thread):
     ) -> None:
         super().__init__(name="batchgen-writer", daemon=True)
         self.writer = writer
-        self.decode = decode  # token-id lists -> their texts
+        self.decode = decode  # (context, ids) -> their texts (detokenize.output_texts)
         self.token_text = token_text  # a logprob entry's token as text (token_bytes.TokenBytes)
         self.include_token_ids = include_token_ids
         self.on_row = on_row
@@ -305,13 +306,15 @@ def _own_error(out: RequestOutput) -> str | None:
     return out.error.removeprefix(f"request {out.request_id}: ")
 
 
-def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[list[int]]:
-    """The token-id lists an item's row shows as text: its output, unless the engine gave
-    its text (an error row: one empty list)."""
+def _texts_wanted(prompt: RowPrompt, out: RequestOutput | None) -> list[TextIds]:
+    """The (context, ids) an item's row shows as text (detokenize.output_text): its output
+    after its prompt, unless the engine gave its text (an error row: no ids)."""
     error = prompt.error if out is None else out.error
     if out is None or error:
-        return [[]]
-    return [] if out.text is not None else [out.text_token_ids]
+        return [((), ())]
+    if out.text is not None:
+        return []
+    return [(out.prompt_token_ids[-CONTEXT_TOKENS:], out.text_token_ids)]
 
 
 def _logprob_entry(lp: TokenLogprobs, token_text: Callable[[int], str]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ other processes for this reason, and so does a job with `runtime.tokenizer_proce
 - Each worker is a fresh `python -m batchgen.tokenizer_pool` connected by its stdin and
   stdout. It gets the job's prompt builder and tokenizer once, then answers tasks in order.
 - `prepare(rows)` turns input rows into RowPrompts in a worker (one task per PREPARE_ROWS).
-- `decode(seqs)` turns token-id lists into text in the workers, for the writer.
+- `decode(seqs)` turns outputs' token ids into their text in the workers, for the writer.
 - What crosses a pipe is plain data: row values in, token ids and text out.
 - A worker exits when its stdin closes: at the end of the job, or when the job's process dies
   (even by SIGKILL). It never imports the caller's main module, so a script without an
@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
+from batchgen.engine.detokenize import TextIds, output_texts
 from batchgen.process_start import heavy_imports, prepare_imports
 from batchgen.prompts import RowPrompt
 
@@ -76,11 +77,6 @@ def prepare_rows(
             )
         out.append(prepared)
     return out
-
-
-def decode_texts(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
-    """The text of each token-id list, as output rows show it (special tokens left out)."""
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
 
 
 class TokenizerPool:
@@ -157,21 +153,21 @@ class TokenizerPool:
             return self._next_worker().call("prepare", rows, self.id_column, hash_rows)
         return self.threads.submit(prepare_rows, self.builder, rows, self.id_column, hash_rows)
 
-    def decode(self, seqs: list[list[int]]) -> list[str]:
-        """The texts of the token-id lists. With DECODE_CHUNK_TOKENS tokens or more they are
-        decoded in the worker processes (once they run), in chunks of about that many, while
-        the calling thread (the writer's) waits without the GIL; fewer cost less here than a
-        task's round trip does."""
-        if not self.in_processes or sum(map(len, seqs)) < DECODE_CHUNK_TOKENS:
-            return decode_texts(self.tokenizer, seqs)
-        chunks: list[list[list[int]]] = [[]]
+    def decode(self, seqs: list[TextIds]) -> list[str]:
+        """The output texts of (context, ids) pairs (detokenize.output_text). With
+        DECODE_CHUNK_TOKENS tokens or more they are decoded in the worker processes (once they
+        run), in chunks of about that many, while the calling thread (the writer's) waits
+        without the GIL; fewer cost less here than a task's round trip does."""
+        if not self.in_processes or sum(len(ids) for _, ids in seqs) < DECODE_CHUNK_TOKENS:
+            return output_texts(self.tokenizer, seqs)
+        chunks: list[list[TextIds]] = [[]]
         tokens = 0
-        for ids in seqs:
+        for item in seqs:
             if tokens >= DECODE_CHUNK_TOKENS:
                 chunks.append([])
                 tokens = 0
-            chunks[-1].append(ids)
-            tokens += len(ids)
+            chunks[-1].append(item)
+            tokens += len(item[1])
         tasks = [self._next_worker().call("decode", chunk) for chunk in chunks]
         return [text for task in tasks for text in task.result()]
 
@@ -257,7 +253,7 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         "prepare": lambda rows, id_column, hash_rows: prepare_rows(
             builder, rows, id_column, hash_rows
         ),
-        "decode": lambda seqs: decode_texts(tokenizer, seqs),
+        "decode": lambda seqs: output_texts(tokenizer, seqs),
     }
     while True:
         try:

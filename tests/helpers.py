@@ -74,3 +74,57 @@ class EagerPadding(StepGraphs):
     def replay(self, flat, host):
         self.replays.append(tuple(host.layout[:3]))
         return self.runner.forward(flat, host)
+
+
+SPM_VOCAB = 768  # sentencepiece_model's tokenizer: 5 special tokens, 256 bytes, 507 pieces
+
+
+def sentencepiece_model(folder: Path, base: Path) -> Path:
+    """The tiny model at `base` (built with vocab_size=SPM_VOCAB) with a tokenizer built as
+    Llama 2's and Mistral's are: ▁ for a space, byte fallback, and a decoder that strips the
+    leading space of a text. Trained on the same corpus; its special tokens have the same
+    ids."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from batchgen.models.tiny import CHAT_TEMPLATE, CORPUS_PATH, SPECIAL_TOKENS
+
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    shutil.copytree(base, folder)
+    tok = Tokenizer(models.BPE(byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=SPM_VOCAB,
+        special_tokens=SPECIAL_TOKENS.ordered() + byte_tokens,
+        initial_alphabet=["▁"],
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer=trainer)
+    bos = SPECIAL_TOKENS.bos
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS.bos,
+        eos_token=SPECIAL_TOKENS.eos,
+        pad_token=SPECIAL_TOKENS.pad,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    fast.save_pretrained(folder)
+    return folder

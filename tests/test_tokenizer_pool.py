@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from batchgen.engine.detokenize import output_texts
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
 from batchgen.io import RawRow
@@ -22,7 +23,6 @@ from batchgen.spec import load_spec
 from batchgen.tokenizer_pool import (
     DECODE_CHUNK_TOKENS,
     TokenizerPool,
-    decode_texts,
     prepare_rows,
 )
 from tests.test_job import read_rows, spec_for, write_jsonl
@@ -51,8 +51,9 @@ def test_a_worker_process_prepares_and_decodes_as_the_job_process_does(model_dir
     tok = AutoTokenizer.from_pretrained(model_dir("llama"))
     config = PromptConfig(id_column="uid", passthrough=("k",), sampling_column="sampling")
     builder = PromptBuilder(config, tok, 64, SamplingParams(max_new_tokens=4))
-    seqs = [tok("Some text, decoded back.").input_ids, [], [tok.eos_token_id, 7], [5]]
-    seqs = seqs * (2 * DECODE_CHUNK_TOKENS // len(seqs[0]))  # more than one decode task
+    ids = [tok("Some text, decoded back.").input_ids, [], [tok.eos_token_id, 7], [5]]
+    seqs = [(ids[0][:3], x) for x in ids] + [((), x) for x in ids]  # (context, output)
+    seqs = seqs * (2 * DECODE_CHUNK_TOKENS // len(ids[0]))  # more than one decode task
     pool = TokenizerPool(builder, tok, "uid", threads=1, processes=2)
     try:
         wait_started(pool)
@@ -63,7 +64,7 @@ def test_a_worker_process_prepares_and_decodes_as_the_job_process_does(model_dir
         pool.close()
     assert got == prepare_rows(builder, ROWS, "uid", True)
     assert [r.error is None for r in got] == [True, False, False, False, True, False]
-    assert texts == decode_texts(tok, seqs)
+    assert texts == output_texts(tok, seqs)
 
 
 def test_a_job_with_tokenizer_processes_writes_the_same_rows(model_dir, tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ builder = PromptBuilder(PromptConfig(), tok, 64, SamplingParams())
 pool = TokenizerPool(builder, tok, None, threads=1, processes=2)
 while not pool.in_processes:
     time.sleep(0.05)
-pool.decode([[5] * 64] * 200)  # both workers running
+pool.decode([((), [5] * 64)] * 200)  # both workers running
 print(" ".join(str(w.process.pid) for w in pool.workers), flush=True)
 time.sleep(600)
 """

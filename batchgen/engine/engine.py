@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
 from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
@@ -625,7 +626,7 @@ class Engine:
             return out
         text = out.text
         if text is None:
-            text = self.tokenizer.decode(out.text_token_ids, skip_special_tokens=True)
+            text = output_text(self.tokenizer, out.prompt_token_ids, out.text_token_ids)
         if not check:
             return out._replace(text=text)
         problem = output_problem(out.check, text)

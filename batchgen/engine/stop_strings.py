@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from batchgen.engine.detokenize import context_of, output_text
 from batchgen.engine.request import Request
 
 BYTES_PER_CHAR = 4  # a byte-level token may hold a single byte of a UTF-8 character
@@ -29,9 +31,15 @@ class Verdict(NamedTuple):
 
 
 def match_stop_strings(
-    tokens: list[int], stop: tuple[str, ...], include: bool, min_tokens: int, tokenizer: Any
+    tokens: list[int],
+    stop: tuple[str, ...],
+    include: bool,
+    min_tokens: int,
+    tokenizer: Any,
+    prompt: Sequence[int] = (),
 ) -> str | None:
     """After tokens[-1] was appended: the output text cut at the first stop string, or None.
+    The text is read after the prompt's last tokens (detokenize.output_text).
 
     Only the tail that the newest token can have completed a match in is decoded each time;
     the full text is decoded once, when a match is found.
@@ -39,15 +47,16 @@ def match_stop_strings(
     if not stop or len(tokens) < min_tokens:
         return None
     longest = max(len(s) for s in stop)
-    tail = tokenizer.decode(tokens[-(BYTES_PER_CHAR * longest + 2) :], skip_special_tokens=True)
+    start = max(0, len(tokens) - (BYTES_PER_CHAR * longest + 2))
+    tail = output_text(tokenizer, context_of(prompt, tokens, start), tokens[start:])
     if not any(s in tail for s in stop):
         return None
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    text = output_text(tokenizer, prompt, tokens)
     # A match must end in text of the min_tokens-th token or a later one: one completed inside
     # the protected first tokens does not count (the tokens after it are kept, so the text is).
     floor = 0
     if min_tokens > 1:
-        head = tokenizer.decode(tokens[: min_tokens - 1], skip_special_tokens=True)
+        head = output_text(tokenizer, prompt, tokens[: min_tokens - 1])
         floor = len(head.rstrip("\ufffd"))  # a partial character is not text yet
     found = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stop]
     found = [(position, s) for position, s in found if position >= 0]
@@ -120,6 +129,7 @@ class StopWatcher:
                     params.include_stop_str_in_output,
                     params.min_new_tokens,
                     self.tokenizer,
+                    request.prompt_token_ids,
                 )
                 if text is not None:
                     self._outbox.put(Verdict(request, len(ids), text))

@@ -1,0 +1,49 @@
+"""Output text: the text of output tokens as they read after the prompt.
+
+A tokenizer's decode treats its tokens as the whole text, and some cut what only the start of a
+text may lose: Llama 2's, Mistral's and other SentencePiece tokenizers strip the leading space
+of the first piece ("▁yes" alone decodes to "yes"). An output is not the start of its text, so
+its tokens are decoded behind the prompt's last tokens and the prompt's own text is cut off (as
+vLLM's detokenizer does): "▁yes" after a prompt reads " yes", the text its grammar, its stop
+strings and its logprob tokens saw. Every output text (rows, stop strings, structured-output
+checks, `Engine.generate`) is decoded here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+CONTEXT_TOKENS = 5  # tokens decoded before an output (vLLM's detokenizer starts with 5)
+
+TextIds = tuple[Sequence[int], Sequence[int]]  # (the tokens before, the output's tokens)
+
+
+def context_of(before: Sequence[int], ids: Sequence[int], start: int) -> list[int]:
+    """The last CONTEXT_TOKENS tokens before ids[start]: those of ids, then those of `before`
+    (the prompt's) where ids has fewer."""
+    own = list(ids[max(0, start - CONTEXT_TOKENS) : start])
+    need = CONTEXT_TOKENS - len(own)
+    if need > 0 and before:
+        own = list(before[-need:]) + own
+    return own
+
+
+def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of `ids` as it reads after the tokens `before` (only their last
+    CONTEXT_TOKENS matter), special tokens left out. Where the context's text is not a prefix
+    of the joint text (bytes of one character split across the two), `ids` alone are
+    decoded."""
+    context = list(before[-CONTEXT_TOKENS:])
+    if not context:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    head = tokenizer.decode(context, skip_special_tokens=True)
+    joint = tokenizer.decode(context + list(ids), skip_special_tokens=True)
+    if joint.startswith(head) and not head.endswith("\ufffd"):
+        return joint[len(head) :]
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def output_texts(tokenizer: Any, items: Sequence[TextIds]) -> list[str]:
+    """output_text of each (before, ids)."""
+    return [output_text(tokenizer, before, ids) for before, ids in items]
