@@ -236,6 +236,59 @@ def test_a_complete_output_is_checked_against_its_spec() -> None:
     assert output_problem(choice, "maybe") == "the output is not one of the choices"
 
 
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^(?<area>[0-9]{3})-[0-9]{4}$",  # ECMA-262's named group: Python's re refuses it
+        "^\\p{Lu}[a-z]+$",  # a Unicode class
+        "^[[:digit:]]{2}$",  # a POSIX class: Python reads a nested set
+        "a\\z",
+    ],
+)
+def test_a_pattern_the_check_cannot_read_is_refused_before_any_output(
+    model_dir, tmp_path: Path, engines, pattern: str
+) -> None:
+    """The grammar engine reads these patterns, Python's re (the check) does not, or reads
+    them otherwise: refused as an error row, or before the job starts, never a crash or a
+    right output turned into an error row."""
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": pattern}},
+        "patternProperties": {"^x-": {"type": "integer"}},
+        "required": ["code"],
+    }
+    nested = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    prompts = [Prompt("Row plain", "plain", {"max_new_tokens": 3})]
+    prompts += [Prompt("Row s", "s", {"json_schema": schema})]
+    prompts += [Prompt("Row n", "n", {"json_schema": nested})]
+    out = {o.request_id: o for o in engines[True].generate(prompts, SamplingParams())}
+    assert out["plain"].finish_reason == "length"
+    for key in ("s", "n"):
+        assert out[key].finish_reason == "error"
+        assert "cannot be checked with Python's re" in out[key].error, out[key].error
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Item"}])
+    job_wide = f"sampling.json_schema={json.dumps(json.dumps(schema))}"
+    with pytest.raises(BatchgenError, match="cannot be checked with Python's re"):
+        run_job(spec_for(model_dir("llama"), inp, tmp_path / "out", job_wide))
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+    const = {"type": "object", "properties": {"a": {"const": {"pattern": "(?<x>y)"}}}}
+    assert output_check.unchecked_problem(GrammarSpec("json_schema", json.dumps(const))) is None
+
+
+def test_numbers_are_checked_exactly() -> None:
+    """4.94 is a multiple of 0.01 (4.94 / 0.01 is 494.00000000000006 in binary floats)."""
+    cents = GrammarSpec("json_schema", json.dumps({"type": "number", "multipleOf": 0.01}))
+    for text in ("4.94", "0.07", "1234.56", "3", "1e-2", "-0.29"):
+        assert output_problem(cents, text) is None, text
+    assert output_problem(cents, "4.945").startswith("the output breaks its json_schema")
+    whole = GrammarSpec("json_schema", json.dumps({"type": "integer", "enum": [100, 2]}))
+    assert output_problem(whole, "1e2") is None and output_problem(whole, "100") is None
+    assert output_problem(whole, "2.5") is not None
+    tenth = GrammarSpec("json_schema", json.dumps({"enum": [0.1, "x"], "maximum": 0.3}))
+    assert output_problem(tenth, "0.1") is None
+    assert output_problem(tenth, "0.30000000000000004") is not None
+
+
 def test_an_output_the_grammar_let_through_is_an_error_row(
     model_dir, tmp_path: Path, monkeypatch, engines
 ) -> None:

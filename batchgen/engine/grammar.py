@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from batchgen.engine.output_check import unchecked_problem
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.transfer import StepOutput
 from batchgen.errors import BatchgenError
@@ -200,6 +201,9 @@ class Grammars:
         self._widen(self.submit(spec).result()).result()
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
+        problem = unchecked_problem(spec)
+        if problem is not None:
+            raise ValueError(f"{spec.kind} cannot be compiled: {problem}")
         return Compiled(spec, [self._lane(spec)])
 
     def _lane(self, spec: GrammarSpec) -> Any:

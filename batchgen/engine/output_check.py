@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+import re
+import warnings
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 
-from batchgen.engine.grammar import GrammarSpec
+if TYPE_CHECKING:
+    from batchgen.engine.grammar import GrammarSpec
+
+# keys whose values are data, not schemas: a "pattern" key inside them is not a regex
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 
 def output_problem(spec: GrammarSpec, text: str) -> str | None:
@@ -30,21 +38,84 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
     if spec.kind == "choice":
         return None if text in json.loads(spec.source) else "the output is not one of the choices"
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=Decimal)
     except ValueError as exc:
         return f"the output is not valid JSON ({' '.join(str(exc).split())[:200]})"
     if spec.kind == "json_object":
         return None if isinstance(value, dict) else "the output is not a JSON object"
-    error = next(iter(_schema_validator(spec.source).iter_errors(value)), None)
+    try:
+        error = next(iter(_schema_validator(spec.source).iter_errors(value)), None)
+    except Exception as exc:  # a check that cannot run is no pass: the row is an error row
+        return f"the output could not be checked against its json_schema ({_line(exc)})"
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "the top level"
-    return f"the output breaks its json_schema at {where}: {' '.join(error.message.split())[:200]}"
+    return f"the output breaks its json_schema at {where}: {_line(error.message)}"
+
+
+def unchecked_problem(spec: GrammarSpec) -> str | None:
+    """-> why complete outputs of a json_schema spec could not be checked (one line), or None.
+    The check validates with Python's re, whose dialect is not the grammar engine's (Rust's
+    regex, ECMA-262 for schemas): a pattern Python reads differently or not at all would turn
+    right outputs into error rows, or stop the check, so its schema is refused up front."""
+    if spec.kind != "json_schema":
+        return None
+    for pattern in _patterns(json.loads(spec.source)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # "possible nested set": a POSIX class, say
+                re.compile(pattern)
+        except (re.error, FutureWarning, DeprecationWarning) as exc:
+            return (
+                f"its pattern {pattern!r} cannot be checked with Python's re ({_line(exc)}): "
+                "write it in the syntax both share (no named groups, POSIX classes or \\p{..})"
+            )
+    try:
+        _schema_validator(spec.source)
+    except Exception as exc:
+        return f"it cannot be read by jsonschema to check the outputs ({_line(exc)})"
+    return None
+
+
+def _patterns(schema: Any) -> Iterator[str]:
+    """Every regex of a schema: "pattern" values and "patternProperties" keys, at any depth
+    (not inside const, enum, default or examples, which hold data)."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _patterns(item)
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            yield value
+        elif key == "patternProperties" and isinstance(value, dict):
+            yield from value
+            yield from _patterns(list(value.values()))
+        elif key not in DATA_KEYWORDS:
+            yield from _patterns(value)
+
+
+def _line(exc: object) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 @functools.lru_cache(maxsize=256)
 def _schema_validator(source: str) -> Any:
+    """A validator of the schema with its numbers read exactly (Decimal), as the outputs' are:
+    multipleOf 0.01 holds for 4.94, which binary floats would refuse."""
     import jsonschema  # present: grammar._llguidance refuses structured outputs without it
 
-    schema = json.loads(source)
-    return jsonschema.validators.validator_for(schema)(schema)
+    schema = json.loads(source, parse_float=Decimal)
+    base = jsonschema.validators.validator_for(schema)
+    plain = base.TYPE_CHECKER
+
+    def is_integer(checker: Any, instance: Any) -> bool:
+        """A number with a fraction or exponent (a Decimal) as the draft counts its float."""
+        if isinstance(instance, Decimal):
+            if not instance.is_finite() or instance != instance.to_integral_value():
+                return False
+            instance = float(instance)
+        return plain.is_type(instance, "integer")
+
+    checker = plain.redefine("integer", is_integer)
+    return jsonschema.validators.extend(base, type_checker=checker)(schema)
