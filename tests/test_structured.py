@@ -211,6 +211,43 @@ def test_job_schema_column_and_bad_schemas(model_dir, tmp_path: Path) -> None:
         run_job(spec_for(model, inp, tmp_path / "out2", job_wide))
 
 
+def test_schemas_stored_as_arrow_structs_are_refused(model_dir, tmp_path: Path) -> None:
+    """Arrow gives each row's struct the keys of all rows: {"k": {}} would read back as
+    {"k": {"const": None}}, a schema that allows only null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    one = {"type": "object", "properties": {"k": {"const": "fixed"}}, "required": ["k"]}
+    one["additionalProperties"] = False
+    two = {"type": "object", "properties": {"k": {}}, "required": ["k"]}
+    rows = [{"prompt": "A", "schema": one}, {"prompt": "B", "schema": two}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "structs.parquet")
+    texts = [{**row, "schema": json.dumps(row["schema"])} for row in rows]
+    pq.write_table(pa.Table.from_pylist(texts), tmp_path / "texts.parquet")
+    sampled = [{"prompt": r["prompt"], "s": {"json_schema": r["schema"]}} for r in rows]
+    pq.write_table(pa.Table.from_pylist(sampled), tmp_path / "sampled.parquet")
+    model, limit = model_dir("llama"), f"sampling.max_new_tokens={LIMIT}"
+    for name, column in (("structs", "json_schema_column"), ("sampled", "sampling_column")):
+        key = "schema" if column == "json_schema_column" else "s"
+        spec = spec_for(
+            model, tmp_path / f"{name}.parquet", tmp_path / name, f"prompt.{column}={key!r}"
+        )
+        with pytest.raises(BatchgenError, match=r"as an Arrow struct.*store each schema as JSON"):
+            run_job(spec)
+        assert not (tmp_path / name).exists()
+    spec = spec_for(
+        model,
+        tmp_path / "texts.parquet",
+        tmp_path / "t",
+        "prompt.json_schema_column='schema'",
+        limit,
+    )
+    assert run_job(spec).complete
+    got = read_rows(tmp_path / "t")
+    assert [r["finish_reason"] for r in got] == ["stop", "stop"], got
+    assert json.loads(got[0]["text"]) == {"k": "fixed"}
+
+
 def test_a_complete_output_is_checked_against_its_spec() -> None:
     """What the grammar engine cannot promise is checked on the parsed value: a repeated key
     keeps its last value (so an object may hold fewer properties than the grammar counted),

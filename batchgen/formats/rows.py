@@ -43,6 +43,7 @@ class RowsFormat:
         return spec.prompt.id_column
 
     def check_columns(self, spec: JobSpec, source: InputSource) -> None:
+        _check_schema_types(spec, source)
         if source.columns is None:
             return
         missing = [c for c in spec.prompt.columns_used() if c not in source.columns]
@@ -89,3 +90,26 @@ class RowsFormat:
     def report(self, spec: JobSpec, source: InputSource) -> str:
         rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"
         return f"{source.description}, {rows} rows"
+
+
+def _check_schema_types(spec: JobSpec, source: InputSource) -> None:
+    """A JSON schema per row must come as JSON text or a JSON line's object: stored as an Arrow
+    struct (Parquet, datasets), every row's schema holds the keys of all rows' schemas, those
+    it lacks as null, which changes what it allows ({} becomes {"const": null})."""
+    p = spec.prompt
+    where = []
+    if p.json_schema_column is not None:
+        where.append((p.json_schema_column, source.types.get(p.json_schema_column)))
+    sampling = source.types.get(p.sampling_column) if p.sampling_column is not None else None
+    has_schema = sampling is not None and pa.types.is_struct(sampling)
+    if has_schema and sampling.get_field_index("json_schema") >= 0:
+        where.append((f"{p.sampling_column}.json_schema", sampling.field("json_schema").type))
+    for name, kind in where:
+        nested = "struct" if kind is not None and pa.types.is_struct(kind) else None
+        nested = "map" if kind is not None and pa.types.is_map(kind) else nested
+        if nested is not None:
+            raise BatchgenError(
+                f"column {name!r} holds JSON schemas as an Arrow {nested}, which gives each row's "
+                "schema the other rows' keys as null (changing what it allows): store each "
+                "schema as JSON text (json.dumps) in a string column"
+            )
