@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -353,6 +355,32 @@ def test_the_jobs_sampling_applies_to_lines_that_give_no_value(model: Path, tmp_
     *_, stopped = (x.response.body for x in read_lines(tmp_path / "stop" / "results.jsonl"))
     assert cut not in stopped.choices[0].message.content
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_a_lines_response_format_replaces_the_jobs_structured_setting(
+    model: Path, tmp_path: Path
+) -> None:
+    """The job's regex is the default for lines without a format of their own; text, a JSON
+    object or a vLLM guided_* field on a line is that line's own."""
+    pytest.importorskip("llguidance")
+    pytest.importorskip("jsonschema")
+    rows = [
+        request("none", max_tokens=12),
+        request("text", max_tokens=12, response_format={"type": "text"}),
+        request("object", max_tokens=40, response_format={"type": "json_object"}),
+        request("choice", max_tokens=12, guided_choice=["alpha", "beta"]),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    regex = "sampling.regex='[0-9]{4}'"
+    assert run(model, inp, tmp_path / "out", regex, "sampling.temperature=1.0").complete
+    lines = {x.custom_id: x for x in read_lines(tmp_path / "out" / "results.jsonl")}
+    assert set(lines) == {"none", "text", "object", "choice"}, "no line is an error line"
+    content = {k: x.response.body.choices[0].message.content for k, x in lines.items()}
+    assert re.fullmatch("[0-9]{4}", content["none"])
+    assert not re.fullmatch("[0-9]{4}", content["text"])
+    assert content["choice"] in ("alpha", "beta")
+    if lines["object"].response.body.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content["object"]), dict)
 
 
 OPENAI_DOCS_EXAMPLE = [  # the request file of OpenAI's Batch guide, unchanged

@@ -187,7 +187,7 @@ def test_openai_response_format_maps_onto_sampling() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": EXAMPLE_SCHEMA}}
     assert line(response_format=fmt)["sampling"]["json_schema"] == EXAMPLE_SCHEMA
     assert line(response_format={"type": "json_object"})["sampling"]["json_object"] is True
-    assert "json_object" not in line(response_format={"type": "text"})["sampling"]
+    assert line(response_format={"type": "text"})["sampling"]["json_object"] is False
     assert line(guided_choice=["a", "b"])["sampling"]["choice"] == ("a", "b")
     for bad in ({"type": "yaml"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
         row = line(response_format=bad)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import STRUCTURED, SamplingParams
 from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH, SAMPLING_COLUMN
 from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
@@ -30,7 +30,14 @@ class RequestBuilder:
             "passthrough": PASSTHROUGH,
             "truncate": config.truncate,
         }
-        args = (tokenizer, max_prompt_tokens, sampling)
+        # a line's own response_format (or guided_*) replaces the job's structured setting,
+        # which is only the default for lines that give none (_own_format)
+        off = {field: getattr(SamplingParams(), field) for field in STRUCTURED}
+        self.job_format = {
+            k: getattr(sampling, k) for k in STRUCTURED if getattr(sampling, k) != off[k]
+        }
+        self.job_off = {k: off[k] for k in self.job_format}  # the job's setting, turned off
+        args = (tokenizer, max_prompt_tokens, sampling.replace(**off))
         self.system_prompt = config.system_prompt  # chat requests only: a completion is refused
         chat = PromptConfig(messages_column="messages", system_prompt=self.system_prompt, **common)
         self.chat = PromptBuilder(chat, *args)
@@ -41,6 +48,10 @@ class RequestBuilder:
 
     def build_many(self, rows: list[tuple[int, dict[str, Any]]]) -> list[RowPrompt]:
         """Error lines as error rows; chat and completion bodies each tokenized in a batch."""
+        own = [self._own_format(values) for _, values in rows]
+        rows = [
+            (i, v if o else self._with_job_format(v)) for (i, v), o in zip(rows, own, strict=True)
+        ]
         out: list[RowPrompt | None] = [self._error_row(index, values) for index, values in rows]
         for builder, chat in ((self.chat, True), (self.text, False)):
             todo = [
@@ -49,8 +60,25 @@ class RequestBuilder:
                 if out[i] is None and (values.get("messages") is not None) is chat
             ]
             for i, built in zip(todo, builder.build_many([rows[i] for i in todo]), strict=True):
+                if own[i] and built.prompt_ids is not None:  # the engine's base is the job's
+                    built = built._replace(overrides={**self.job_off, **built.overrides})
                 out[i] = self._within_context(built)
         return out
+
+    def _own_format(self, values: dict[str, Any]) -> bool:
+        """The line gives its own structured setting (text included) where the job has one."""
+        own = values.get(SAMPLING_COLUMN)
+        return (
+            bool(self.job_format) and isinstance(own, dict) and not set(own).isdisjoint(STRUCTURED)
+        )
+
+    def _with_job_format(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The line's values with the job's structured setting: it is checked with the line's
+        own values as the engine will run them."""
+        own = values.get(SAMPLING_COLUMN)
+        if not self.job_format or not isinstance(own, dict):
+            return values
+        return {**values, SAMPLING_COLUMN: {**self.job_format, **own}}
 
     def _within_context(self, row: RowPrompt) -> RowPrompt:
         """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its

@@ -202,20 +202,20 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
         source["logprobs"] = "top_logprobs" if "top_logprobs" in given else "logprobs"
     if RESPONSE_FORMAT in given:
         field, value = _response_format(given[RESPONSE_FORMAT])
-        if field is not None:
-            out[field] = value
-            source[field] = RESPONSE_FORMAT
+        out[field] = value
+        source[field] = RESPONSE_FORMAT
     for field, key in source.items():
         _check_value(key, field, out[field])
     return out
 
 
-def _response_format(value: Any) -> tuple[str | None, Any]:
+def _response_format(value: Any) -> tuple[str, Any]:
     """{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}} ->
-    (SamplingParams field, value), or (None, None) for text."""
+    (SamplingParams field, value); text is json_object off (free text, whatever the job's
+    structured setting)."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
-        return None, None
+        return "json_object", False
     if kind == "json_object":
         return "json_object", True
     if kind == "json_schema":
