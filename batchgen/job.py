@@ -247,8 +247,8 @@ def _with_engine(
             f"model '{spec.model.path}' has no chat template, so prompt.messages_column cannot "
             "be rendered: use an instruction-tuned model, or prompt.column / prompt.template"
         )
-    try:  # a job-wide schema that cannot be compiled is one error, not one per row
-        engine.check_grammar(spec.sampling)
+    try:  # a job-wide value the model cannot take is one error, not one per row
+        engine.check_sampling(spec.sampling)
     except ValueError as exc:
         raise BatchgenError(f"[sampling] {exc}") from None
     current.update(settings=result_settings(spec, engine), model=engine.fingerprint)

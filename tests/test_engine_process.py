@@ -107,8 +107,8 @@ def test_a_call_stopped_or_left_early_lets_the_next_one_run(served: EngineProces
 def test_grammar_errors_and_cache_clearing_are_answered(served: EngineProcess) -> None:
     pytest.importorskip("llguidance")  # structured outputs' extra (make setup installs it)
     with pytest.raises(ValueError, match="regex"):
-        served.check_grammar(SamplingParams(regex="("))
-    served.check_grammar(SamplingParams(regex="[ab]+"))
+        served.check_sampling(SamplingParams(regex="("))
+    served.check_sampling(SamplingParams(regex="[ab]+"))
     served.clear_prefix_cache()
 
 

@@ -284,6 +284,12 @@ def test_body_fields_map_onto_sampling() -> None:
     assert parse_request(None, "x line 7: malformed JSON", 7)["error_message"].startswith(
         "x line 7"
     )
+    long = parse_request(request("g", max_tokens=300, min_tokens=280, seed=-7), None, 8)
+    assert long["error_code"] is None, long["error_message"]  # OpenAI's and vLLM's seeds: int64
+    assert long["sampling"] == {"max_new_tokens": 300, "min_new_tokens": 280, "seed": -7}
+    alone = parse_request(request("h", min_tokens=300), None, 9)  # the job's limit may be larger
+    assert alone["error_code"] is None and alone["sampling"] == {"min_new_tokens": 300}
+    assert parse_request(request("i", seed=2**63), None, 10)["error_param"] == "seed"
 
 
 def test_harmless_fields_are_accepted_and_vllm_fields_honoured() -> None:

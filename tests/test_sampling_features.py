@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
 from batchgen.engine.stop_strings import match_stop_strings
 from batchgen.job import run_job
 from tests.helpers import hf_greedy, hf_model, random_prompts
@@ -221,6 +221,30 @@ def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:
     assert "n=0" in outs["b"].error
     assert "min_new_tokens=9 must be <= max_new_tokens=3" in outs["c"].error
     assert outs["d"].finish_reason in ("stop", "length")
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_refused(path: Path, tmp_path: Path) -> None:
+    """Its ban (min_new_tokens) would index past the logits: an error row, or one line before a
+    job's first row; the other rows run."""
+    eng = engine(path)
+    vocab = eng.shape.vocab_size
+    outside = {"stop_token_ids": (7, vocab), "min_new_tokens": 2}
+    items = [Prompt("hi", request_id="bad", sampling=outside), Prompt("hi", request_id="ok")]
+    outs = {o.request_id: o for o in eng.generate(items, SamplingParams(max_new_tokens=4))}
+    assert outs["bad"].finish_reason == "error"
+    assert f"stop_token_ids holds {vocab}, outside the model's vocabulary" in outs["bad"].error
+    assert outs["ok"].finish_reason in ("stop", "length")
+    rows = [{"prompt": "a", "s": json.dumps(outside)}, {"prompt": "b"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("prompt.sampling_column='s'", "sampling.max_new_tokens=4", "output.format='jsonl'")
+    assert run_job(spec_for(path, inp, tmp_path / "rows", *sets)).complete
+    bad, ok = read_rows(tmp_path / "rows")
+    assert bad["finish_reason"] == "error" and "outside the model's vocabulary" in bad["error"]
+    assert ok["error"] is None
+    job_wide = (f"sampling.stop_token_ids=[{vocab + 5}]", "sampling.min_new_tokens=1")
+    with pytest.raises(BatchgenError, match=r"^\[sampling\] stop_token_ids holds"):
+        run_job(spec_for(path, inp, tmp_path / "job", *job_wide))
+    assert not (tmp_path / "job" / "results.jsonl").exists()
 
 
 def test_logprob_tokens_in_rows_show_their_own_bytes(path: Path, tmp_path: Path) -> None:

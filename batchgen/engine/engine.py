@@ -272,13 +272,24 @@ class Engine:
         self._compiling.append((samples, future))
         return None
 
-    def check_grammar(self, params: SamplingParams) -> None:
-        """Compile params' structured output now, a lane per fill thread (cached for its
-        requests); ValueError saying why it cannot be compiled. For a job's [sampling]: one
-        error, not one per row."""
+    def check_sampling(self, params: SamplingParams) -> None:
+        """What a request's params must meet on this model, checked once for a job's
+        [sampling] (one error, not one per row): stop_token_ids inside the vocabulary, and its
+        structured output compiled now, a lane per fill thread (cached for its requests).
+        ValueError saying what is wrong."""
+        self._check_stop_ids(params)
         spec = grammar_spec(params)
         if spec is not None:
             self._grammars().prepare(spec)
+
+    def _check_stop_ids(self, params: SamplingParams) -> None:
+        vocab = self.shape.vocab_size
+        bad = outside_vocab(params.stop_token_ids, vocab) if params.stop_token_ids else None
+        if bad is not None:
+            raise ValueError(
+                f"stop_token_ids holds {bad}, outside the model's vocabulary [0, {vocab}): "
+                "remove it"
+            )
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
@@ -578,6 +589,7 @@ class Engine:
                 f"needs {needed} KV blocks but the cache has {self.num_blocks}: "
                 "lower max_new_tokens or give the KV cache more memory"
             )
+        self._check_stop_ids(params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
         if params.structured and self.tokenizer is None:

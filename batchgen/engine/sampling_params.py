@@ -123,10 +123,10 @@ def _all(values: Any, ok: Any) -> bool:
 def _problems(p: SamplingParams) -> list[str]:
     """Every rule a field breaks, as 'field=value must ...' messages."""
     rules = [
-        ("max_new_tokens", _is_int(p.max_new_tokens, 1), "be an integer >= 1"),
-        ("min_new_tokens", _is_int(p.min_new_tokens), "be an integer >= 0"),
+        ("max_new_tokens", _is_int(p.max_new_tokens, 1), f"be an integer in [1, {MAX_TOKENS}]"),
+        ("min_new_tokens", _is_int(p.min_new_tokens), f"be an integer in [0, {MAX_TOKENS}]"),
         ("temperature", _is_num(p.temperature) and p.temperature >= 0, "be a number >= 0"),
-        ("top_k", _is_int(p.top_k), "be an integer >= 0 (0 or -1 = off)"),
+        ("top_k", _is_int(p.top_k), f"be an integer in [0, {MAX_TOKENS}] (0 or -1 = off)"),
         ("top_p", _is_num(p.top_p) and 0 < p.top_p <= 1, "be in (0, 1]"),
         ("min_p", _is_num(p.min_p) and 0 <= p.min_p <= 1, "be in [0, 1]"),
         (
@@ -144,12 +144,16 @@ def _problems(p: SamplingParams) -> list[str]:
             _is_num(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
             "be in [-2, 2]",
         ),
-        ("seed", p.seed is None or _is_int(p.seed, 0, MAX_SEED), "be an integer in [0, 2**63)"),
+        (
+            "seed",
+            p.seed is None or _is_int(p.seed, -MAX_SEED - 1, MAX_SEED),
+            "be an integer in [-2**63, 2**63)",
+        ),
         ("n", _is_int(p.n, 1, MAX_N), f"be an integer in [1, {MAX_N}]"),
         (
             "stop_token_ids",
             _all(p.stop_token_ids, _is_int),
-            f"be a list of at most {MAX_STOP} token ids >= 0",
+            f"be a list of at most {MAX_STOP} token ids in [0, {MAX_TOKENS}]",
         ),
         (
             "stop",

@@ -218,7 +218,7 @@ def waited_phases(
 
 class EngineProcess:
     """An Engine served by a process of its own, with the part of Engine's interface a job
-    uses: generate, has_unfinished, check_grammar, close, and the facts (tokenizer, config,
+    uses: generate, has_unfinished, check_sampling, close, and the facts (tokenizer, config,
     dtype, max_model_len, num_blocks, fingerprint, startup_s, cache_stats).
 
     model: a model folder, a hub id or "default". server: an EngineServer started earlier
@@ -350,9 +350,9 @@ class EngineProcess:
         """Whether a prompt sent in the current generate call still has a result to come."""
         return bool(self._pending)
 
-    def check_grammar(self, params: SamplingParams) -> None:
-        """Engine.check_grammar, in the server: ValueError saying why it cannot compile."""
-        self._call(("grammar", params))
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Engine.check_sampling, in the server: ValueError saying what is wrong."""
+        self._call(("sampling", params))
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached prompt blocks (a benchmark's warm-up would be a head start)."""

@@ -10,7 +10,7 @@ To the engine (the server's stdin):
   ids as int64 bytes or the prompt itself, sampling, seed key, vocab): vocab is the
   engine's vocabulary size when the job's process found every id inside it (the engine's
   thread then skips that check), else None.
-- between calls: ("grammar", params) and ("clear_cache",), answered ("ok",) or an error;
+- between calls: ("sampling", params) and ("clear_cache",), answered ("ok",) or an error;
   ("close",).
 
 From the engine (a copy of the server's stdout; what it prints goes to stderr):

@@ -245,9 +245,9 @@ def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = 
         kind = message[0]
         if kind == "generate":
             _generate(engine, hook, feed, answers, *message[1:])
-        elif kind == "grammar":
+        elif kind == "sampling":
             try:
-                engine.check_grammar(message[1])
+                engine.check_sampling(message[1])
                 send(answers, ("ok",))
             except BaseException as exc:
                 _report(answers, exc)

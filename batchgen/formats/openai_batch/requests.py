@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import MAX_TOKENS, SamplingParams
 from batchgen.prompts import message_text
 
 CHAT_URL = "/v1/chat/completions"
@@ -253,8 +253,13 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
 
 
 def _check_value(key: str, field: str, value: Any) -> None:
+    """One field's value alone; rules between fields (min_tokens <= max_tokens) are checked
+    where the line's values meet the job's (prompts.PromptBuilder)."""
+    alone = {field: value}
+    if field == "min_new_tokens":
+        alone["max_new_tokens"] = MAX_TOKENS
     try:
-        SamplingParams(**{field: value})
+        SamplingParams(**alone)
     except (ValueError, TypeError) as exc:
         message = str(exc) if key == field else f"{key}: {exc}"
         raise RequestError("invalid_value", message, key) from exc
