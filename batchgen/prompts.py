@@ -8,7 +8,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
 PROMPT_SOURCES = ("column", "template", "messages_column")
 TRUNCATE = ("error", "left", "right")
@@ -255,9 +255,17 @@ class PromptBuilder:
             "seed": cfg.seed_column,
             "json_schema": cfg.json_schema_column,
         }
-        out = _sampling_dict(values.get(cfg.sampling_column), cfg.sampling_column)
+        out = resolve_aliases(_sampling_dict(values.get(cfg.sampling_column), cfg.sampling_column))
         picked = {key: values.get(col) for key, col in columns.items() if col is not None}
-        out.update({key: value for key, value in picked.items() if value is not None})
+        for key, value in picked.items():
+            if value is None:
+                continue
+            if key in out:  # neither may silently win
+                raise ValueError(
+                    f"{key} is given both in column {cfg.sampling_column!r} and in column "
+                    f"{columns[key]!r}: give it in one of them"
+                )
+            out[key] = value
         return out
 
     def _truncate(self, ids: list[int], max_new_tokens: int) -> list[int]:

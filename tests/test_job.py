@@ -433,6 +433,27 @@ def test_per_row_sampling_columns(model_dir, tmp_path: Path) -> None:
     assert out[2]["text"].startswith(out[1]["text"])  # same seed: same draws, longer limit
 
 
+def test_a_setting_given_in_two_columns_of_a_row_is_an_error_row(model_dir, tmp_path) -> None:
+    """A sampling column and a column of its own for one setting: neither silently wins."""
+    rows = [
+        {"prompt": "Hello", "n": 5, "s": {"max_new_tokens": 3}},
+        {"prompt": "Hello", "n": 5, "s": json.dumps({"max_tokens": 3})},  # vLLM's name
+        {"prompt": "Hello", "n": 5, "s": {"temperature": 0.0}},
+        {"prompt": "Hello", "n": None, "s": {"max_new_tokens": 2}},
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("prompt.max_new_tokens_column='n'", "prompt.sampling_column='s'")
+    run_job(spec_for(model_dir("llama"), inp, tmp_path / "out", *sets, "sampling.ignore_eos=true"))
+    first, second, other, alone = read_rows(tmp_path / "out")
+    for row in (first, second):
+        assert row["finish_reason"] == "error"
+        assert row["error"] == (
+            "max_new_tokens is given both in column 's' and in column 'n': give it in one of them"
+        )
+    assert other["error"] is None and other["num_generated_tokens"] == 5
+    assert alone["error"] is None and alone["num_generated_tokens"] == 2
+
+
 def test_a_template_field_holding_a_list_or_object_is_an_error_row(
     model_dir, tmp_path: Path
 ) -> None:
