@@ -140,6 +140,33 @@ def test_jsonl_num_rows_counts_across_chunk_boundaries(tmp_path: Path, monkeypat
     assert source.num_rows == len(read_all(path)) == sum(1 for line in lines if line.strip())
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 2, 7])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'\xef\xbb\xbf{"p": 0}\n{"p": 1}\n',
+        b'\xef\xbb\xbf\n{"p": 0}\n{"p": 1}\n',  # a BOM alone on the first line
+        b'\xef\xbb\xbf \t\r\n{"p": 0}\r\n\r\n{"p": 1}',
+        b'\xef\xbb\xbf\r\n{"p": 0}\r\n{"p": 1}\r\n',
+        b'\n  \n{"p": 0}\n\n{"p": 1}\n \n',
+        b"\xef\xbb\xbf",
+        b"\xef\xbb\xbf\n",
+    ],
+)
+def test_jsonl_num_rows_is_the_rows_read(tmp_path: Path, monkeypatch, data, chunk) -> None:
+    """The scan's row count (and so every row index) agrees with the lines the reader gives,
+    whatever blank lines, BOM and line ends the file has."""
+    import batchgen.io.readers as readers
+
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", chunk)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(data)
+    source = open_input(InputConfig(str(path)))
+    rows = [r for b in source.batches(["p"]) for r in b]
+    assert source.num_rows == len(rows) and not any(r.error for r in rows)
+    assert [r.values["p"] for r in rows] == list(range(len(rows)))
+
+
 def test_json_array_file_is_a_job_error(tmp_path: Path) -> None:
     path = tmp_path / "data.json"
     path.write_text(json.dumps([{"id": "a"}], indent=2))

@@ -136,6 +136,42 @@ def test_without_an_id_column_a_rank_reads_only_its_jsonl_byte_range(tmp_path, m
             assert row.values == ({"prompt": f"p{row.index}"} if rows.reads(row.index) else {})
 
 
+@pytest.mark.parametrize("id_column", ["uid", None])
+@pytest.mark.parametrize("head", [b"\xef\xbb\xbf\n", b"\xef\xbb\xbf \r\n", b"\n\n"])
+def test_a_blank_first_line_shifts_no_rank_row(tmp_path, monkeypatch, head, id_column):
+    """A first line that is blank once its BOM is dropped is no row: every rank's rows carry
+    their own line, seeking from a line mark or not, and no row is added at the end."""
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", 64)
+    ids = [f"row-{i}" for i in range(ROWS)]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(head + b"".join(jsonl_lines(ids)))
+    assert open_input(InputConfig(str(path))).num_rows == ROWS
+    for rank in range(WORLD):
+        rows = RowShare(rank, WORLD).rows(ROWS, DONE)
+        got = rank_rows(path, ["uid", "prompt"], id_column, rows)
+        assert [r.index for r in got] == list(range(ROWS)) and not any(r.error for r in got)
+        for row in got:
+            if rows.reads(row.index):
+                assert row.values == {"uid": ids[row.index], "prompt": f"p{row.index}"}
+
+
+def test_a_rank_read_that_disagrees_with_the_scan_stops(tmp_path, monkeypatch):
+    """Lines that no longer match the scan's count are an internal error, never rows padded
+    or shifted into place."""
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", 64)
+    ids = [f"row-{i}" for i in range(ROWS)]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(jsonl_lines(ids)))
+    source = open_input(InputConfig(str(path)))
+    path.write_bytes(b"".join(jsonl_lines(ids[:-2])))  # the file shrank after the scan
+    rows = RowShare(WORLD - 1, WORLD).rows(ROWS, set())
+    with pytest.raises(RuntimeError, match="scan counted"):
+        list(source.rank_batches(["prompt"], None, rows))
+    path.write_bytes(b"".join(jsonl_lines([*ids, "extra"])))  # grew
+    with pytest.raises(RuntimeError, match="scan counted"):
+        list(source.rank_batches(["prompt"], "uid", rows))
+
+
 def test_with_an_id_column_a_rank_keeps_only_the_id_of_other_jsonl_lines(tmp_path):
     ids = [f"row-{i}" for i in range(ROWS)]
     path = tmp_path / "in.jsonl"

@@ -107,7 +107,12 @@ def jsonl_rank_rows(
     index = 0  # of the file's first row in the whole input
     for (path, name), scan in zip(files, scans, strict=True):
         if id_column is not None:  # every line is parsed for its id
-            yield from _jsonl_lines(path, name, (0, 0, 0), index, columns, id_column, rows)
+            lines = _jsonl_lines(path, name, (0, 0, 0), index, columns, id_column, rows)
+            count = 0
+            for count, parsed in enumerate(lines, start=1):
+                _check_count(name, scan, count)
+                yield parsed
+            _check_count(name, scan, count, whole=True)
         else:
             yield from _jsonl_span(path, name, scan, index, columns, rows)
         index += scan.rows
@@ -133,12 +138,25 @@ def _jsonl_span(
     index = start + mark[0]
     lines = _jsonl_lines(path, name, mark, index, columns, None, rows)
     for parsed in lines:
+        _check_count(name, scan, index - start + 1)
         yield parsed
         index += 1
         if index >= span.stop and index < start + scan.rows:
             lines.close()  # past the rank's last row: the rest is only counted
             break
+    else:
+        _check_count(name, scan, index - start, whole=True)
     yield from (({}, None) for _ in range(start + scan.rows - index))
+
+
+def _check_count(name: str, scan: readers.JsonlScan, rows: int, whole: bool = False) -> None:
+    """The file's lines read so far (whole: all of them) agree with its scan's row count; a
+    disagreement would give rows another row's content, so it stops the job."""
+    if rows > scan.rows or (whole and rows != scan.rows):
+        raise RuntimeError(
+            f"{name!r}: {'read' if whole else 'at least'} {rows} row lines, but the scan "
+            f"counted {scan.rows}"
+        )
 
 
 def _jsonl_lines(

@@ -440,19 +440,22 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
                     f"convert it, e.g. jq -c '.[]' {name} > data.jsonl"
                 )
             f.seek(0)
+            bom = f.read(len(_UTF8_BOM)) == _UTF8_BOM  # in no line: jsonl_lines drops it
+            offset = f.seek(len(_UTF8_BOM) if bom else 0)
+            digest.update(_UTF8_BOM if bom else b"")
             while chunk := f.read(COUNT_CHUNK_BYTES):
                 digest.update(chunk)
                 base, offset = offset, offset + len(chunk)
                 first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
                 if first < 0:
-                    partial_blank = partial_blank and not chunk.strip()
+                    partial_blank = partial_blank and not _is_row_line(chunk)
                     continue
-                rows += not (partial_blank and not chunk[:first].strip())
+                rows += not (partial_blank and not _is_row_line(chunk[:first]))
                 body = chunk[first + 1 : last + 1]  # whole lines, each ending in b"\n"
                 rows += body.count(b"\n")
                 if _BLANK_LINE.match(body) or _BLANK_AFTER_FIRST.search(body):  # rare
                     rows -= len(_BLANK_LINE.findall(body))
-                partial_blank = not chunk[last + 1 :].strip()
+                partial_blank = not _is_row_line(chunk[last + 1 :])
                 lines += chunk.count(b"\n")
                 marks.append((rows, lines, base + last + 1))  # what ended before that byte
     except OSError as exc:
@@ -483,9 +486,20 @@ def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[in
     with path.open("rb") as f:
         f.seek(start)
         for lineno, raw in enumerate(f, start=lines + 1):
-            line = raw.removeprefix(_UTF8_BOM) if lineno == 1 else raw
-            if line.strip():
+            line = _line_text(raw, lineno == 1)
+            if _is_row_line(line):
                 yield lineno, line
+
+
+def _line_text(raw: bytes, first: bool) -> bytes:
+    """A line's bytes as read: the file's first line without its UTF-8 BOM."""
+    return raw.removeprefix(_UTF8_BOM) if first else raw
+
+
+def _is_row_line(text: bytes) -> bool:
+    """Whether a line (as _line_text gives it) is a row: anything but whitespace. The scan
+    (row counts, line marks) and every reader decide with this one rule."""
+    return bool(text.strip())
 
 
 def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Iterator[Parsed]:
