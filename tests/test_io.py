@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from batchgen.io import InputConfig, OutputConfig, OutputLayout, RawRow, ShardWr
 from batchgen.io.checkpoint import remove_temp_files, scan_committed
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import BASE
+
+STAMP = datetime(2024, 1, 1, 12, 0, 0, 654321)
 
 
 def read_all(path: Path | str, columns: list[str] | None = None, **config: Any) -> list[RawRow]:
@@ -460,6 +463,52 @@ def test_pass_through_columns_of_varying_types(tmp_path: Path) -> None:
     assert table.column("score").to_pylist() == [1.0, 2.0, 2.5, 4.0]
     assert table.column("tag").to_pylist() == [None, None, "t", None]
     assert table.column("extra").to_pylist() == [None, None, [1, 2], None]
+
+
+MIXED = (  # column: (first file's type and values, second file's)
+    ("score", (pa.int64(), [1, 2]), (pa.float64(), [1.5, 2.75])),
+    ("meta", (pa.struct([("a", pa.int64())]), [{"a": 1}]), (None, [{"a": 3, "b": "kept"}])),
+    ("ts", (pa.timestamp("s"), [datetime(2024, 1, 1)]), (pa.timestamp("us"), [STAMP])),
+    ("tag", (pa.int64(), [7]), (pa.string(), ["seven"])),
+)
+
+
+def test_parquet_files_with_different_types_declare_a_common_one(tmp_path: Path) -> None:
+    for i in (0, 1):
+        pq.write_table(
+            pa.table({name: pa.array(kinds[i][1][:1], kinds[i][0]) for name, *kinds in MIXED}),
+            tmp_path / f"part-{i}.parquet",
+        )
+    source = open_input(InputConfig(str(tmp_path)))
+    assert source.types["score"] == pa.float64()
+    assert source.types["meta"] == pa.struct([("a", pa.int64()), ("b", pa.string())])
+    assert source.types["ts"] == pa.timestamp("us")
+    assert "tag" not in source.types  # int and text have no common type: inferred per shard
+    rows = [r.values for b in source.batches() for r in b]
+    assert rows[1] == {"score": 1.5, "meta": {"a": 3, "b": "kept"}, "ts": STAMP, "tag": "seven"}
+
+
+def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> None:
+    """A value the declared type would change (cut, round, drop keys of) is stored in the
+    type its values infer to instead; values that fit keep the declared type."""
+    declared = {name: first[0] for name, first, _ in MIXED}
+    values = {name: [*first[1][:1], *second[1][:1]] for name, first, second in MIXED}
+    writer = ShardWriter(OutputLayout(tmp_path), "parquet", {**BASE, **declared}, 10, 3600)
+    writer.add_group(
+        [{"index": i, "id": f"r{i}", **{c: v[i] for c, v in values.items()}} for i in (0, 1)]
+    )
+    writer.commit()
+    fitting = {"index": 2, "id": "r2", "score": 5, "meta": {"a": 5}, "ts": None, "tag": 1}
+    writer.add_group([fitting])
+    writer.commit()
+    first, second = (pq.read_table(p) for p in shard_files(tmp_path))
+    values["meta"][0]["b"] = None  # a key no value of the first file has: null
+    values["tag"] = ["7", "seven"]  # a number and a string share no type: text
+    for name, got in values.items():
+        assert first.column(name).to_pylist() == got, name
+    assert second.schema.field("score").type == pa.int64()
+    assert second.schema.field("meta").type == declared["meta"]
+    assert second.to_pylist()[0] == {**dict.fromkeys(BASE), **fitting}
 
 
 def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) -> None:

@@ -276,7 +276,7 @@ def project(values: Values, columns: list[str] | None) -> Values:
 
 def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
     columns: dict[str, None] = {}  # ordered union of the files' column names
-    types: dict[str, pa.DataType] = {}
+    types: dict[str, set[pa.DataType]] = {}  # each column's types across the files
     num_rows = 0
     for path, name in files:
         try:  # reads only the footer: catches non-parquet and truncated files up front
@@ -296,7 +296,7 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
             ) from exc
         columns.update(dict.fromkeys(schema.names))
         for f in schema:
-            types.setdefault(f.name, f.type)
+            types.setdefault(f.name, set()).add(f.type)
     description = describe_files(files, "parquet", config.path)
     reader = partial(_parquet_rows, files, config.batch_rows)
     return InputSource(
@@ -306,10 +306,36 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         config.batch_rows,
         reader,
         fingerprint=functools.cache(partial(fingerprint_files, files)),
-        types=types,
+        types=_declared_types(types),
         files=tuple(path for path, _ in files),
         read_rank=partial(rank_reads.parquet_rank_rows, files, config.batch_rows),
     )
+
+
+def _declared_types(types: dict[str, set[pa.DataType]]) -> dict[str, pa.DataType]:
+    """Each column's type across files: its one type, or the type Arrow promotes the files'
+    types to (int32 and int64: int64); a column whose types have none is left undeclared
+    (its values' types are inferred). The writer stores a value in a declared type only where
+    it reads back unchanged."""
+    declared = {}
+    for name, kinds in types.items():
+        if (common := common_type(name, kinds)) is not None:
+            declared[name] = common
+    return declared
+
+
+def common_type(name: str, kinds: set[pa.DataType]) -> pa.DataType | None:
+    """The type Arrow promotes `kinds` to, if each of them casts to it; else None."""
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    try:
+        parts = [pa.schema([(name, kind)]) for kind in kinds]
+        target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
+        for kind in kinds:  # promotable is not always castable (struct field sets, say)
+            pa.array([], type=kind).cast(target)
+    except (pa.ArrowException, NotImplementedError):
+        return None
+    return target
 
 
 def _parquet_rows(

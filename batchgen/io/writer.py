@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import check_field
 from batchgen.io.atomic import fsync_dir, write_atomic
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
+from batchgen.io.output_schema import RESERVED
 
 Row = dict[str, Any]
 Columns = Mapping[str, pa.DataType | None]  # column -> type (None = inferred from the values)
@@ -191,21 +192,45 @@ def to_table(rows: list[Row], columns: Columns, undeclared_as_text: bool = False
         if type is None and undeclared_as_text:
             arrays[name] = pa.array([as_text(v) for v in values], type=pa.string())
         else:
-            arrays[name] = _to_array(values, type)
+            arrays[name] = _to_array(values, type, name)
     return pa.table(arrays)
 
 
-def _to_array(values: list[Any], type: pa.DataType | None) -> pa.Array:
-    """Values of a declared type, or Arrow's inferred type (text where it cannot unify)."""
+def _to_array(values: list[Any], type: pa.DataType | None, name: str = "") -> pa.Array:
+    """Values of a declared type, or Arrow's inferred type (text where it cannot unify). A
+    pass-through column keeps its declared type only if every value reads back unchanged
+    (Arrow would cut 1.5 to 1 in an int column, drop a struct's extra keys, round a time):
+    else its type is inferred, as for an undeclared column."""
     if type is not None:
         try:
-            return pa.array(values, type=type)
+            array = pa.array(values, type=type)
+            if name in RESERVED or _holds(array, values):  # batchgen's own: built to its type
+                return array
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
             pass  # a value the declared type cannot hold: infer, as for an undeclared column
     try:
         return pa.array(values)
     except (pa.ArrowException, OverflowError, TypeError, ValueError):
         return pa.array([as_text(v) for v in values], type=pa.string())
+
+
+def _holds(array: pa.Array, values: list[Any]) -> bool:
+    """Whether `array` holds `values` without loss: each reads back equal."""
+    stored = array.to_pylist()
+    return stored == values or all(map(_same, values, stored))
+
+
+def _same(value: Any, stored: Any) -> bool:
+    """One value read back unchanged: equal numbers (1 as 1.0, NaN as NaN), an object's keys
+    all kept (a struct field it lacks reads back null), lists item by item."""
+    if isinstance(value, float) and isinstance(stored, float) and math.isnan(value):
+        return math.isnan(stored)
+    if isinstance(value, Mapping) and isinstance(stored, Mapping):
+        kept = all(key in stored for key in value)
+        return kept and all(_same(value.get(key), item) for key, item in stored.items())
+    if isinstance(value, (list, tuple)) and isinstance(stored, (list, tuple)):
+        return len(value) == len(stored) and all(map(_same, value, stored))
+    return bool(value == stored)
 
 
 def as_text(value: Any) -> str | None:
