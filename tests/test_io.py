@@ -212,6 +212,20 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
     assert "'validation'" in message and "train" in message and "test" in message
 
 
+@pytest.mark.parametrize("fmt", ["numpy", "torch", "pandas"])
+def test_a_dataset_saved_with_a_format_gives_plain_values(tmp_path: Path, fmt: str) -> None:
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("torch" if fmt == "torch" else fmt)
+    data = {"prompt": ["x", "y"], "doc_id": [101, 102], "score": [0.5, 1.25], "tags": [[1], []]}
+    ds = datasets.Dataset.from_dict(data).with_format(fmt)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    rows = read_all(tmp_path / "saved", batch_rows=1)
+    assert [r.values for r in rows] == [
+        dict(zip(data, v, strict=True)) for v in zip(*data.values(), strict=True)
+    ]
+    assert all(type(r.values["doc_id"]) is int for r in rows)
+
+
 def test_hub_name_offline_is_a_quick_job_error(monkeypatch: pytest.MonkeyPatch) -> None:
     datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants

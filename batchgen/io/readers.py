@@ -581,6 +581,8 @@ def _open_saved(config: InputConfig) -> InputSource:
                 f"split {config.split!r} is not in {raw!r}: use one of {', '.join(ds)}"
             )
         ds, note = ds[config.split], f" (split {config.split})"
+    if ds.format["type"] is not None:  # saved with set_format: rows would be tensors, arrays
+        ds = ds.with_format(None)  # plain Python values, as Parquet and JSONL give
     source = dataset_source(ds, config.batch_rows, f"saved dataset {raw!r}")
     return dataclasses.replace(source, description=f"saved dataset {raw}{note}")
 
