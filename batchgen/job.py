@@ -44,6 +44,7 @@ from batchgen.io.checkpoint import (
     write_manifest,
 )
 from batchgen.io.fs import as_path
+from batchgen.io.layout import OUTPUT_FORMATS
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
@@ -364,6 +365,7 @@ def check_resumable(
     parts: tuple[str, ...],
     force: bool,
 ) -> None:
+    _check_shard_format(layout, current["settings"]["output.format"])
     if previous is None or force:
         return
     changes = identity_changes(previous.identity, current, parts)
@@ -374,6 +376,23 @@ def check_resumable(
             f"use another output directory, delete '{layout.dir}' to start over, or "
             "--force-resume to continue it anyway"
         )
+
+
+def _check_shard_format(layout: OutputLayout, format: str) -> None:
+    """Committed shards of another output format are refused, --force-resume or not: the
+    final file is merged from shards of the job's format only, so their rows would be lost."""
+    held = [f for f in OUTPUT_FORMATS if layout.shard_paths(f)]
+    if not held or held == [format]:
+        return
+    if len(held) > 1:
+        raise BatchgenError(
+            f"output directory '{layout.dir}' holds both {' and '.join(held)} shards: no run "
+            "can merge them; use a new output directory"
+        )
+    raise BatchgenError(
+        f"output directory '{layout.dir}' holds {held[0]} shards: set output.format to "
+        f"{held[0]} to resume it, or use a new output directory for {format} output"
+    )
 
 
 def claim(

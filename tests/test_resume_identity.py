@@ -109,6 +109,24 @@ def test_a_result_affecting_setting_is_part_of_the_identity(
         job(change)
 
 
+def test_another_output_format_is_refused_even_with_force(job, tmp_path: Path) -> None:
+    """The final file is merged from the job's format's shards: a resume in another format,
+    forced or not, would leave the other format's rows out of it while saying complete."""
+    stopped = job(
+        "runtime.max_num_seqs=2",
+        "output.shard_rows=2",
+        "output.format='jsonl'",
+        **stop_after_shards(tmp_path / "out", 2),
+    )
+    assert not stopped.complete
+    for force in (True, False):
+        with pytest.raises(BatchgenError, match=r"holds jsonl shards: set output.format to jsonl"):
+            job("output.format='parquet'", force_resume=force)
+    assert not (tmp_path / "out" / "results.parquet").exists()
+    result = job("output.format='jsonl'", force_resume=True)
+    assert result.complete and len(read_rows(tmp_path / "out")) == len(PROMPTS)
+
+
 def test_a_setting_an_older_manifest_lacks_is_named_not_guessed(job, tmp_path: Path) -> None:
     """A result-affecting setting added to the identity later: an earlier run's manifest does
     not say which value it ran with, so resuming it is refused (--force-resume keeps it)."""
