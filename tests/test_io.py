@@ -525,6 +525,29 @@ def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> N
     assert second.to_pylist()[0] == {**dict.fromkeys(BASE), **fitting}
 
 
+@pytest.mark.parametrize(
+    ("ints", "expected"),
+    [
+        ([1, -(2**53)], [1.0, -(2.0**53), 0.5]),  # exact as doubles: promoted
+        ([1, 2**53 + 1], ["1", "9007199254740993", "0.5"]),  # past 2^53: text, never rounded
+        ([2**63 - 1, 2], ["9223372036854775807", "2", "0.5"]),
+    ],
+)
+def test_final_merge_of_int_and_float_shards_loses_no_digit(
+    tmp_path: Path, ints: list[int], expected: list[Any]
+) -> None:
+    """Integers in one shard, floats in another: the final file holds them as one shard of
+    both would (a double where every integer is exact as one, else text), and never fails."""
+    rows = [{"index": i, "id": f"r{i}", "v": v} for i, v in enumerate([*ints, 0.5])]
+    merged = []
+    for name, shards in (("two", [rows[:-1], rows[-1:]]), ("one", [rows])):
+        write_shards(tmp_path / name, "parquet", shards, extra=("v",))
+        final = tmp_path / name / "results.parquet"
+        write_final(OutputLayout(tmp_path / name), "parquet", final)
+        merged.append(pq.read_table(final).column("v").to_pylist())
+    assert merged[0] == merged[1] == expected
+
+
 def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) -> None:
     """The rename is the commit: at that instant the temp file is whole and fsynced."""
     seen: list[tuple[str, int]] = []

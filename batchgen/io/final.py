@@ -18,7 +18,7 @@ from batchgen.io.atomic import write_atomic
 from batchgen.io.checkpoint import read_shard_keys
 from batchgen.io.fs import AnyPath, arrow_file
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
-from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
+from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS, common_type
 from batchgen.io.writer import as_text
 
 FINAL_WINDOW_ROWS = 100_000  # write_final sorts this many index values at a time
@@ -115,7 +115,9 @@ def _final_parquet(
 
 
 def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> tuple[pa.Schema, set[str]]:
-    """One schema for all shards: types promoted where Arrow can; else the column is text."""
+    """One schema for all shards: types promoted where Arrow can and every shard's values fit
+    the promoted type unchanged; else the column is text, as a shard writes a column whose
+    own values mix (integers past 2^53 beside floats, say)."""
     schemas = []
     for path in paths:
         with arrow_file(path) as f:
@@ -124,16 +126,27 @@ def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> tuple[pa.Sch
     fields, text_columns = [], set()
     for name in names:
         types = {s.field(name).type for s in schemas if name in s.names}
-        try:
-            parts = [pa.schema([(name, t)]) for t in types]
-            target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
-            for t in types:  # promotable is not always castable (struct field sets, say)
-                pa.array([], type=t).cast(target)
-        except pa.ArrowException:
+        target = common_type(name, types)
+        if target is None or not _fits(paths, schemas, name, target):
             target = pa.string()
             text_columns.add(name)
         fields.append(pa.field(name, target))
     return pa.schema(fields), text_columns
+
+
+def _fits(paths: list[AnyPath], schemas: list[pa.Schema], name: str, target: pa.DataType) -> bool:
+    """Whether every shard's values of column `name` cast to `target` without loss (Arrow's
+    safe cast: an int64 past 2^53 is no exact double); reads only shards of another type."""
+    for path, schema in zip(paths, schemas, strict=True):
+        if name not in schema.names or schema.field(name).type == target:
+            continue
+        with arrow_file(path) as f:
+            column = pq.read_table(f, columns=[name]).column(name)
+        try:
+            column.cast(target, safe=True)
+        except (pa.ArrowException, NotImplementedError):
+            return False
+    return True
 
 
 def _conform(table: pa.Table, schema: pa.Schema, text_columns: set[str]) -> pa.Table:

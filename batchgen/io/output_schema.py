@@ -85,3 +85,18 @@ def shard_schema(
 ) -> dict[str, pa.DataType | None]:
     """Column -> type of a shard (None = inferred from the values)."""
     return {**own, **passthrough, **({INPUT_HASH: pa.string()} if input_hash else {})}
+
+
+def common_type(name: str, kinds: set[pa.DataType]) -> pa.DataType | None:
+    """The type Arrow promotes column `name`'s `kinds` to (int32 and int64: int64), if each
+    of them casts to it; else None. Whether each value fits it is the caller's to check."""
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    try:
+        parts = [pa.schema([(name, kind)]) for kind in kinds]
+        target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
+        for kind in kinds:  # promotable is not always castable (struct field sets, say)
+            pa.array([], type=kind).cast(target)
+    except (pa.ArrowException, NotImplementedError):
+        return None
+    return target

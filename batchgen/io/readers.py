@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
 from batchgen.io.fs import arrow_file, common_folder, scheme_of
+from batchgen.io.output_schema import common_type
 from batchgen.io.remote_input import find_objects
 
 if TYPE_CHECKING:
@@ -322,20 +323,6 @@ def _declared_types(types: dict[str, set[pa.DataType]]) -> dict[str, pa.DataType
         if (common := common_type(name, kinds)) is not None:
             declared[name] = common
     return declared
-
-
-def common_type(name: str, kinds: set[pa.DataType]) -> pa.DataType | None:
-    """The type Arrow promotes `kinds` to, if each of them casts to it; else None."""
-    if len(kinds) == 1:
-        return next(iter(kinds))
-    try:
-        parts = [pa.schema([(name, kind)]) for kind in kinds]
-        target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
-        for kind in kinds:  # promotable is not always castable (struct field sets, say)
-            pa.array([], type=kind).cast(target)
-    except (pa.ArrowException, NotImplementedError):
-        return None
-    return target
 
 
 def _parquet_rows(
