@@ -269,6 +269,11 @@ def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:
     outputs = pa.Table.from_arrays(arrays, names=[prefix + c for c in columns])
     index = table.column("index").to_pylist() if "index" in table.column_names else []
     base = ds if index == list(range(len(ds))) else ds.select(index)
+    if not len(base):  # concatenating along columns drops a 0-row table's columns
+        features = {**base.features, **datasets.Features.from_arrow_schema(outputs.schema)}
+        return datasets.Dataset.from_dict(
+            {name: [] for name in features}, features=datasets.Features(features)
+        )
     return datasets.concatenate_datasets([base, datasets.Dataset(outputs)], axis=1)
 
 

@@ -49,6 +49,21 @@ def test_dataset_gets_output_columns_in_input_order(gen: Generator, expected) ->
     assert out.features["error"] == datasets.Value("string")
 
 
+def test_an_empty_dataset_gets_the_output_columns(gen: Generator) -> None:
+    nonempty = gen(table().select([0]), sampling={"max_new_tokens": 2}, progress=False)
+    empty = table().select([])
+    out = gen(empty, sampling={"max_new_tokens": 2}, progress=False, include_token_ids=True)
+    assert len(out) == 0 and out.column_names == [
+        "prompt",
+        "k",
+        *OUTPUTS,
+        "prompt_token_ids",
+        "token_ids",
+    ]
+    assert out.features["text"] == nonempty.features["text"] == datasets.Value("string")
+    assert out.features["k"] == empty.features["k"]
+
+
 def test_map_filter_compose_on_one_engine(gen: Generator, expected, monkeypatch) -> None:
     def no_new_engine(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a call loaded a second engine")
