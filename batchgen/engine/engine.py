@@ -29,6 +29,7 @@ from batchgen.engine.graphs import step_target
 from batchgen.engine.model_loader import (
     activation_bytes_per_token,
     adopt_model,
+    check_rope,
     eos_token_ids,
     kv_block_size,
     kv_cache_dtype,
@@ -127,6 +128,7 @@ class Engine:
                 "leave it unset for the model's own"
             )
         self.max_model_len = self.config.max_model_len or limit
+        check_rope(self.model, self.max_model_len)
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)
         block_size = kv_block_size(self.config, self.kv_dtype, self.device)
         self.config = dataclasses.replace(self.config, block_size=block_size)

@@ -318,6 +318,42 @@ def _attention_calls(model: PreTrainedModel, family: str) -> dict[Any, tuple[int
     return seen
 
 
+def check_rope(model: PreTrainedModel, max_model_len: int) -> None:
+    """BatchgenError where the model's rotary embedding depends on more than each token's
+    position within max_model_len tokens: LongRoPE picks short or long factors from the
+    largest position of the whole forward pass (transformers' dynamic update), which a packed
+    step of several requests, or a chunk of one prompt, does not share with the model's own
+    pass. Below original_max_position_embeddings only the short factors are ever used."""
+    config = model.config.get_text_config()
+    limits = _longrope_limits(config)
+    if limits and max_model_len > min(limits):
+        family = getattr(config, "model_type", None) or type(model).__name__
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly beyond {min(limits):,} tokens: their "
+            "LongRoPE switches rotary factors once a sequence passes "
+            f"original_max_position_embeddings ({min(limits):,}), and max_model_len is "
+            f"{max_model_len:,}: set max_model_len (runtime.max_model_len) <= {min(limits):,} to "
+            "run it exactly"
+        )
+
+
+def _longrope_limits(config: Any) -> list[int]:
+    """original_max_position_embeddings of each LongRoPE rotary in the config (a flat rope
+    dict, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return []
+    nested = all(isinstance(v, dict) for v in params.values())
+    groups = list(params.values()) if nested else [params]
+    fallback = getattr(config, "original_max_position_embeddings", None)
+    fallback = fallback or getattr(config, "max_position_embeddings", None) or 2**31 - 1
+    return [
+        int(group.get("original_max_position_embeddings") or fallback)
+        for group in groups
+        if (group.get("rope_type") or group.get("type")) == "longrope"
+    ]
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
