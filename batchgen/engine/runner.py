@@ -27,6 +27,7 @@ from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
 from batchgen.engine.step_inputs import HostStep, Pad, StepPacker
 from batchgen.engine.step_layout import Layout, SamplingInputs, unpack_sampling, unpack_step
+from batchgen.engine.temperature import position_tuned, tuned_attention
 from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
@@ -194,6 +195,8 @@ class ModelRunner:
         self.packer = StepPacker()  # packs each launched step's buffer, in launch order
         # called around each launched step (a benchmark's timeline); None = nothing
         self.step_hook: StepHook | None = None
+        # attention scaled by position (Llama-4) counts each token's own inside a step
+        self._untune = position_tuned(tuned_attention(model))
         self.fusion: Fusion | None = None
         # a caller's model keeps its own attention outside batchgen's forward passes
         self.scope = partial(attention_scope, model) if adopted else contextlib.nullcontext
@@ -273,6 +276,7 @@ class ModelRunner:
         if self.fusion is not None:
             self.fusion.off()
         self.fusion = None
+        self._untune()
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = None
@@ -320,5 +324,6 @@ class ModelRunner:
             num_decodes=host.num_decodes,
             kv_cache=self.kv_cache,
             backend=self.backend,
+            positions=step.positions,
             **shaped,
         )

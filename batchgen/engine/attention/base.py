@@ -94,6 +94,7 @@ class AttentionMetadata:
     # with the decode rows at zero length (prefill attention over all B skips them)
     decode_context_lens: torch.Tensor | None = None
     prefill_cu_seqlens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [T]: each token's position in its sequence
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ def in_step() -> bool:
     return _STEP.get() is not None
 
 
+def step_metadata() -> AttentionMetadata | None:
+    """The metadata of the step whose forward pass is running, None outside one."""
+    return _STEP.get()
+
+
 @dataclass
 class Audit:
     """What the layers asked of batchgen's attention while an audit was open."""

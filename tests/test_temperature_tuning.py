@@ -1,0 +1,65 @@
+"""Llama-4's attention temperature tuning scales a NoPE layer's queries by each token's
+position: inside batchgen's packed steps (several sequences, prompts in chunks, no cache) the
+scale comes from the tokens' real positions, as in the model's own generate."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from tests.families import BASE, FAMILIES, VOCAB
+from tests.helpers import random_prompts
+
+FLOOR = 64  # floor_scale: the scale first changes at position 63
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llama4-tuned")
+    extra = {"floor_scale": FLOOR, "attn_scale": 4.0, "attn_temperature_tuning": True}
+    config = AutoConfig.for_model(
+        "llama4_text", **{**BASE, **FAMILIES["llama4_text"], **extra, "initializer_range": 0.3}
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+@functools.cache
+def _model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def _generate(path: Path, prompt: list[int], n: int) -> list[int]:
+    model = _model(path)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"max_num_batched_tokens": 32, "max_num_seqs": 4}],
+    ids=["whole-prompts", "chunked"],
+)
+def test_temperature_tuning_counts_real_positions(tuned_dir: Path, overrides) -> None:
+    """A 100-token prompt, short prompts packed past index 64 of one step, and a prompt that
+    decodes across position 64: each equals the model's own generate."""
+    prompts = random_prompts(1, 100, 100, VOCAB, seed=2) + random_prompts(6, 20, 30, VOCAB, 3)
+    prompts += random_prompts(1, 56, 56, VOCAB, seed=4)
+    limits = [10] * 7 + [20]
+    config = EngineConfig(device="cpu", dtype="float32", **overrides)
+    rows = [Prompt(p, request_id=str(i), sampling={"max_new_tokens": n})
+            for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
+    with Engine(tuned_dir, config) as engine:
+        outs = {o.request_id: o for o in engine.generate(rows, SamplingParams(ignore_eos=True))}
+    for i, prompt in enumerate(prompts):
+        assert outs[str(i)].output_token_ids == _generate(tuned_dir, prompt, limits[i]), i
