@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from batchgen.errors import check_field
+from batchgen.errors import BatchgenError, check_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "fp8")
@@ -36,6 +36,8 @@ class EngineConfig:
     # weights and KV cache holds twice such a step's estimated activations, else 8,192
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    # False: every prompt (and recompute after preemption) in one step; max_num_batched_tokens
+    # must then hold max_model_len tokens
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     overlap: bool = True  # launch step N+1 before post-processing N; False = synchronous oracle
@@ -135,3 +137,17 @@ class EngineConfig:
             self.cuda_graph_batch_sizes,
             "positive batch sizes",
         )
+
+
+def check_prefill_budget(config: EngineConfig, max_model_len: int) -> None:
+    """Without chunked prefill a prompt, or a preempted request's recompute of its prompt and
+    outputs, runs in one step: BatchgenError unless a step's token budget holds the longest
+    one (max_model_len tokens), as vLLM requires."""
+    budget = config.max_num_batched_tokens
+    if config.enable_chunked_prefill or budget is None or budget >= max_model_len:
+        return
+    raise BatchgenError(
+        f"enable_chunked_prefill=false needs max_num_batched_tokens ({budget:,}) >= "
+        f"max_model_len ({max_model_len:,}): without chunking a whole sequence must fit one "
+        "step; raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill"
+    )

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
 from batchgen.engine.fingerprint import model_fingerprint
@@ -140,6 +140,7 @@ class Engine:
             self.config, self.device, spare, activation_bytes_per_token(self.model, self.dtype)
         )
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=budget)
+        check_prefill_budget(self.config, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             self.shape,
