@@ -125,3 +125,19 @@ def test_the_cli_reports_a_refused_family_in_one_line(family_dir, tmp_path: Path
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "o"), "--quiet"])
     lines = [x for x in result.output.splitlines() if x.startswith("batchgen:")]
     assert result.exit_code == 2 and len(lines) == 1 and "cannot run mamba" in lines[0]
+
+
+def test_a_forward_that_fails_midway_is_refused_for_failing(family_dir) -> None:
+    """Layers the start-up shape probe never reached because the forward pass raised are
+    reported as that failure, not as layers that mix tokens without attention."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama")).eval()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("expert routing broke")
+
+    model.model.layers[0].mlp.forward = broken  # after layer 0's attention, before layer 1's
+    with pytest.raises(BatchgenError) as caught:
+        Engine(model, engine_config())
+    message = str(caught.value)
+    assert "\n" not in message and "cannot run llama models exactly" in message
+    assert "its forward pass fails (RuntimeError: expert routing broke)" in message, message

@@ -256,7 +256,7 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     transformers' attention interface, or whose layers differ in attention shape."""
     config = model.config.get_text_config()
     family = getattr(config, "model_type", None) or type(model).__name__
-    seen = _attention_calls(model, family)
+    seen, failure = _attention_calls(model, family)
     shapes = set(seen.values())
     if len(shapes) != 1:
         raise BatchgenError(
@@ -266,6 +266,11 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     heads, kv_heads, k_dim, v_dim = shapes.pop()
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     missing = sorted(set(range(layers)) - set(seen))
+    if missing and failure is not None:  # the layers after it were never reached
+        raise BatchgenError(
+            f"batchgen cannot run {family} models exactly: its forward pass fails "
+            f"({first_line(failure)})"
+        ) from failure
     if missing:
         raise BatchgenError(
             f"batchgen cannot run {family} models exactly: layer(s) {missing} of {layers} mix "
@@ -289,8 +294,11 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
 
 
 @torch.inference_mode()
-def _attention_calls(model: PreTrainedModel, family: str) -> dict[Any, tuple[int, int, int, int]]:
-    """layer_idx -> (query heads, key heads, key dim, value dim) of each attention call."""
+def _attention_calls(
+    model: PreTrainedModel, family: str
+) -> tuple[dict[Any, tuple[int, int, int, int]], Exception | None]:
+    """-> (layer_idx -> (query heads, key heads, key dim, value dim) of each attention call,
+    the exception that ended the forward pass after some layers were seen, or None)."""
     seen: dict[Any, tuple[int, int, int, int]] = {}
 
     def record(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -301,10 +309,12 @@ def _attention_calls(model: PreTrainedModel, family: str) -> dict[Any, tuple[int
 
     AttentionInterface.register(SHAPE_PROBE, record)
     device = next(model.parameters()).device
+    failure = None
     try:
         with attention_scope(model, SHAPE_PROBE):
             model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
     except Exception as exc:
+        failure = exc
         if not seen:
             raise BatchgenError(
                 f"batchgen cannot run {family} models exactly: their layers do not hand "
@@ -315,7 +325,7 @@ def _attention_calls(model: PreTrainedModel, family: str) -> dict[Any, tuple[int
             f"batchgen cannot run {family} models exactly: their layers do not hand attention "
             "to transformers' attention interface (recurrent or custom sequence mixing)"
         )
-    return seen
+    return seen, failure
 
 
 def check_rope(model: PreTrainedModel, max_model_len: int) -> None:
