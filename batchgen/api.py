@@ -115,6 +115,10 @@ class Generator:
 
     __call__ = generate
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the engine's cached prompt blocks (Engine.reset_prefix_cache)."""
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Release the engine (a caller's Engine is left as it is)."""
         if self._owns_engine:

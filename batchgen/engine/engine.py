@@ -36,6 +36,7 @@ from batchgen.engine.model_loader import (
     load_model,
     model_shape,
     set_cpu_threads,
+    weights_version,
 )
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
@@ -165,6 +166,10 @@ class Engine:
         if graphs is not None and graphs.tokens:  # steps stop at sizes with graphs
             self.scheduler.step_target = functools.partial(step_target, tuple(graphs.tokens))
         self._owns_model = not adopted
+        # a caller's model may change between calls (a training loop): its prompt blocks
+        # cached before are dropped when its weights did (None: not checked: the engine's own
+        # model, which nothing else changes)
+        self._weights: tuple[tuple[int, int], ...] | None = None
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
@@ -181,6 +186,8 @@ class Engine:
             self.blocks.clear_cache()  # the probe's prompts are not the caller's
             self.scheduler.cache_stats = CacheStats()
             clock.mark("model_check")
+        if adopted:  # versions as the caller's first call finds them (the probe's are gone)
+            self._weights = weights_version(self.model)
         self.startup_s = clock.phases  # phase -> seconds, in order (summary.json shows them)
         # Python's full collections walk every tracked object, the model's, torch's and
         # transformers' included: one took 0.27 s (378k objects) in a 2,048-row CPU job, all
@@ -215,6 +222,7 @@ class Engine:
         still running are dropped (their prompts yield nothing).
         """
         params = params or SamplingParams()
+        self._drop_stale_prefixes()
         source = iter(prompts)
         position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
@@ -246,6 +254,32 @@ class Engine:
                     return
         finally:
             self.abort_all()
+            if self._weights is not None and weights_version(self.model) != self._weights:
+                self.reset_prefix_cache()  # changed while it ran: the next call checks how
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block, so later prompts compute their KV again: for a
+        model changed in a way generate cannot see (through `.data`). Blocks that running
+        requests hold stay theirs, uncached."""
+        self.blocks.clear_cache()
+
+    def _drop_stale_prefixes(self) -> None:
+        """Forget the cached prompt blocks if the caller's model changed since they were
+        computed (its weights' versions or addresses differ)."""
+        if self._weights is None or self.runner is None:
+            return
+        now = weights_version(self.model)
+        if now == self._weights:
+            return
+        moved = [a for a, _ in now] != [a for a, _ in self._weights]
+        if moved and (self.runner.graphs is not None or self.runner.fusion is not None):
+            raise BatchgenError(
+                "the model's weights were replaced by new tensors since this engine started, "
+                "and its CUDA graphs or fused layers read the old ones: update them in place "
+                "(copy_, load_state_dict) or create a new engine"
+            )
+        self._weights = now
+        self.reset_prefix_cache()
 
     def add_request(
         self, prompt: PromptLike, params: SamplingParams, default_id: str

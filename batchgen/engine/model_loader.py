@@ -55,6 +55,20 @@ def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> in
     return (4 * hidden + 3 * intermediate) * torch.tensor([], dtype=dtype).element_size()
 
 
+def weights_version(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where each parameter and persistent buffer lives and its version counter, which every
+    in-place change made through the tensor (an optimizer step, load_state_dict, copy_ under
+    no_grad) bumps: equal between two calls unless the weights were changed or replaced.
+    A change made through `.data` bumps no counter. Inference tensors count by address."""
+    out = []
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            if t is not None and name not in skip:
+                out.append((t.data_ptr(), -1 if t.is_inference() else t._version))
+    return tuple(out)
+
+
 def set_cpu_threads(config: EngineConfig) -> None:
     """torch's intra-op threads for a CPU engine (see EngineConfig.cpu_threads)."""
     threads = config.cpu_threads

@@ -1,0 +1,99 @@
+"""An engine over a caller's loaded model (a training loop's): weights changed in place between
+calls drop the prompt blocks cached with the old ones, so the next call equals a fresh engine
+on the updated model; reset_prefix_cache() drops them on request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchgen import BatchgenError, Engine, EngineConfig, Generator, SamplingParams
+from tests.helpers import random_prompts
+
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+PROMPTS = random_prompts(3, 40, 40, 1000, seed=1)  # 5 blocks of 8: 4 cached per prompt
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(device="cpu", block_size=8)
+
+
+def _tokens(engine: Engine) -> list[list[int]]:
+    outs = {o.request_id: o for o in engine.generate(PROMPTS, PARAMS, decode=False)}
+    return [outs[str(i)].output_token_ids for i in range(len(PROMPTS))]
+
+
+def _fresh(model: torch.nn.Module) -> list[list[int]]:
+    with Engine(model, _config()) as engine:
+        return _tokens(engine)
+
+
+def _train_step(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(-1.5)
+            layer.self_attn.v_proj.weight.mul_(0.3)
+
+
+def _load_other(model: torch.nn.Module) -> None:
+    torch.manual_seed(1)
+    other = {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
+    model.load_state_dict(other)
+
+
+def _replace_data(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        weight = layer.self_attn.k_proj.weight
+        weight.data = -weight.data.clone()
+
+
+@pytest.mark.parametrize(
+    "update", [_train_step, _load_other, _replace_data], ids=["in-place", "state-dict", "data"]
+)
+def test_changed_weights_drop_the_cached_prefixes(model_dir, update: Callable) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32).eval()
+    with Engine(model, _config()) as engine:
+        _tokens(engine)
+        again = engine.cache_stats
+        _tokens(engine)  # unchanged weights: the cache serves the second call
+        assert (engine.cache_stats - again).cached_tokens == 4 * 8 * len(PROMPTS)
+        update(model)
+        before = engine.cache_stats
+        updated = _tokens(engine)
+        assert (engine.cache_stats - before).cached_tokens == 0
+    assert updated == _fresh(model)
+
+
+def test_reset_prefix_cache(model_dir: Callable[..., Path]) -> None:
+    """A change no version counter sees (through .data) needs reset_prefix_cache()."""
+    path = model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with Generator(model, _config(), tokenizer=AutoTokenizer.from_pretrained(path)) as gen:
+        _tokens(gen.engine)
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.data.mul_(-1.5)
+        gen.reset_prefix_cache()
+        before = gen.engine.cache_stats
+        updated = _tokens(gen.engine)
+        assert (gen.engine.cache_stats - before).cached_tokens == 0
+    assert updated == _fresh(model)
+
+
+def test_replaced_weights_are_refused_where_graphs_hold_the_old_ones(model_dir) -> None:
+    """CUDA graphs (and fused layers' merged weights) read the tensors they were made with:
+    a model whose tensors were replaced is refused there, before any step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32).eval()
+    with Engine(model, _config()) as engine:
+        _tokens(engine)
+        _replace_data(model)
+        engine.runner.graphs = object()  # as on a GPU with graphs captured
+        try:
+            with pytest.raises(BatchgenError, match="replaced by new tensors"):
+                _tokens(engine)
+        finally:
+            engine.runner.graphs = None
+        assert _tokens(engine) == _fresh(model)  # without graphs: runs on the new tensors
