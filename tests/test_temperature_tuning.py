@@ -63,3 +63,32 @@ def test_temperature_tuning_counts_real_positions(tuned_dir: Path, overrides) ->
         outs = {o.request_id: o for o in engine.generate(rows, SamplingParams(ignore_eos=True))}
     for i, prompt in enumerate(prompts):
         assert outs[str(i)].output_token_ids == _generate(tuned_dir, prompt, limits[i]), i
+
+
+@pytest.mark.gpu
+def test_temperature_tuning_on_the_gpu_path(tuned_dir: Path) -> None:
+    """The same on the GPU: Triton attention, fused ops and CUDA graphs (decode steps replay
+    graphs whose position buffer the stand-in cache reads), against the model's own generate
+    on the GPU in float32: equal, or diverging only where its top two logits are a rounding
+    apart."""
+    prompts = random_prompts(1, 100, 100, VOCAB, seed=2) + random_prompts(6, 20, 30, VOCAB, 3)
+    config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=512)
+    with Engine(tuned_dir, config) as engine:
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        outs = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
+    model = AutoModelForCausalLM.from_pretrained(tuned_dir, attn_implementation="eager")
+    model = model.cuda().eval()
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(
+                torch.tensor([prompt], device="cuda"), max_new_tokens=40, min_new_tokens=40,
+                do_sample=False, eos_token_id=None, pad_token_id=0, output_scores=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        expected = ref.sequences[0, len(prompt) :].tolist()
+        if outs[str(i)] != expected:
+            j = next(
+                k for k, (a, b) in enumerate(zip(outs[str(i)], expected, strict=True)) if a != b
+            )
+            top = ref.scores[j][0].float().topk(2).values
+            assert float(top[0] - top[1]) < 1e-3, (i, j, float(top[0] - top[1]))
