@@ -40,6 +40,25 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+NEAR_TIE = 1e-3  # fp32 logits this close are ordered by rounding: kernels may break either way
+
+
+def assert_greedy_or_near_tie(model: Any, prompt: list[int], got: list[int], context: Any) -> None:
+    """`got` (greedy tokens) against the model's own generate on its device, as many tokens:
+    equal, or diverging only where the model's top two logits are a rounding apart."""
+    with torch.inference_mode():
+        ref = model.generate(
+            torch.tensor([prompt], device=model.device), max_new_tokens=len(got),
+            min_new_tokens=len(got), do_sample=False, eos_token_id=None, pad_token_id=0,
+            output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    expected = ref.sequences[0, len(prompt) :].tolist()
+    if got != expected:
+        j = next(k for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+        top = ref.scores[j][0].float().topk(2).values
+        assert float(top[0] - top[1]) < NEAR_TIE, (context, j, float(top[0] - top[1]))
+
+
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]

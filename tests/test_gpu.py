@@ -13,7 +13,7 @@ import torch
 
 from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
 from tests.families import FAMILIES, build_family_model
-from tests.helpers import random_prompts
+from tests.helpers import assert_greedy_or_near_tie, random_prompts
 from tests.test_model_families import REFUSED
 
 pytestmark = pytest.mark.gpu
@@ -407,9 +407,6 @@ def family_dir_gpu(tmp_path_factory: pytest.TempPathFactory):
     return lambda family: build_family_model(family, root / family)
 
 
-NEAR_TIE = 1e-3  # fp32 logits this close are ordered by rounding: kernels may break either way
-
-
 def engine_or_skip(path: Path, **overrides) -> Engine:
     """A family the installed transformers cannot hand batchgen's attention is refused (a
     one-line BatchgenError, as the CPU tests check); that is not a GPU-path failure."""
@@ -435,18 +432,7 @@ def test_family_fp32_through_triton_fused_ops_and_graphs(family_dir_gpu, family:
     engine.close()
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").cuda().eval()
     for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            ref = model.generate(
-                torch.tensor([prompt], device="cuda"), max_new_tokens=10, min_new_tokens=10,
-                do_sample=False, eos_token_id=None, pad_token_id=0, output_scores=True,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-        expected = ref.sequences[0, len(prompt) :].tolist()
-        if got[str(i)] != expected:
-            pairs = zip(got[str(i)], expected, strict=True)
-            j = next(k for k, (a, b) in enumerate(pairs) if a != b)
-            top = ref.scores[j][0].float().topk(2).values
-            assert float(top[0] - top[1]) < NEAR_TIE, (family, i, j, float(top[0] - top[1]))
+        assert_greedy_or_near_tie(model, prompt, got[str(i)], (family, i))
 
 
 @pytest.mark.parametrize("family", RUNNING_FAMILIES)
