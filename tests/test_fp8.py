@@ -416,6 +416,70 @@ def test_unsupported_quantization_refused_in_one_line(model_dir, tmp_path) -> No
     assert "\n" not in str(err.value)
 
 
+def _drop_tensor(folder, name: str) -> None:
+    from safetensors.torch import load_file
+
+    for file in folder.glob("*.safetensors"):
+        tensors = load_file(file)
+        if tensors.pop(name, None) is not None:
+            save_file(tensors, file)
+
+
+def _add_tensors(folder, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    file = folder / "model.safetensors"
+    save_file({**load_file(file), **tensors}, file)
+
+
+def _copy_folder(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.norm.weight"])
+def test_a_folder_missing_weights_is_refused(model_dir, tmp_path, name: str) -> None:
+    """A weight the folder lacks would be left random by from_pretrained: refused in one line
+    for an FP8 folder and a 16-bit one (read by from_pretrained or from weights read ahead);
+    a tied lm_head is not missing."""
+    from batchgen.engine.preload import Preload
+
+    fp8 = tmp_path / "fp8"
+    _save_prequantized(model_dir("llama"), fp8, "ct-channel")
+    plain = _copy_folder(model_dir("llama"), tmp_path / "plain")
+    for folder in (fp8, plain):
+        _drop_tensor(folder, name)
+    cpu = torch.device("cpu")
+    for folder, preload in ((fp8, None), (plain, None), (plain, Preload(str(plain), cpu))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(BatchgenError, match="lacks 1 tensor") as err:
+                load_model(folder, cpu, torch.float32, preload=preload)
+        assert name in str(err.value) and "\n" not in str(err.value)
+    tied = model_dir("llama", tie_word_embeddings=True)
+    model = load_model(tied, cpu, torch.float32, preload=Preload(str(tied), cpu))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    load_model(tied, cpu, torch.float32)
+
+
+def test_an_fp8_folder_with_tensors_the_model_does_not_take_is_refused(model_dir, tmp_path):
+    """Static activation and KV scales are not used (activations are scaled per token);
+    any other tensor the model does not take is refused."""
+    fp8 = tmp_path / "fp8"
+    _save_prequantized(model_dir("llama"), fp8, "ct-channel")
+    scales = {"model.layers.0.self_attn.k_scale": torch.tensor(2.0)}
+    scales["model.layers.0.self_attn.q_proj.input_scale"] = torch.tensor([0.5])
+    _add_tensors(fp8, scales)
+    with pytest.warns(UserWarning, match="emulation"):
+        load_model(fp8, torch.device("cpu"), torch.float32)
+    _add_tensors(fp8, {"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(128, 1)})
+    with pytest.warns(UserWarning, match="emulation"), pytest.raises(BatchgenError) as err:
+        load_model(fp8, torch.device("cpu"), torch.float32)
+    assert "does not take ('model.layers.0.mlp.up_proj.weight_zero_point')" in str(err.value)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

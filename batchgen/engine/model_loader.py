@@ -26,7 +26,11 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.preload import Preload
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
-from batchgen.engine.quant.checkpoint import checkpoint_format, load_fp8_checkpoint
+from batchgen.engine.quant.checkpoint import (
+    check_loading_info,
+    checkpoint_format,
+    load_fp8_checkpoint,
+)
 from batchgen.engine.upload import upload_model
 from batchgen.errors import BatchgenError, first_line
 
@@ -153,9 +157,13 @@ def load_model(
             else:
                 loaded, failed = _from_weights(source, weights, dtype, device)
                 if loaded is None:  # the folder is read (again)
-                    loaded = AutoModelForCausalLM.from_pretrained(
-                        source, dtype=dtype, attn_implementation=ATTENTION_NAME
+                    loaded, info = AutoModelForCausalLM.from_pretrained(
+                        source,
+                        dtype=dtype,
+                        attn_implementation=ATTENTION_NAME,
+                        output_loading_info=True,
                     )
+                    check_loading_info(source, loaded, info)
                 if failed is not None:  # read ahead for nothing, yet the folder loads
                     warnings.warn(
                         f"batchgen: the weights read ahead were not used ({failed}): the model "
@@ -198,15 +206,17 @@ def _from_weights(
         if getattr(config, "auto_map", None) or getattr(type(config), "extra_files", None):
             return None, None
         placed = {} if device.type == "cpu" else {"device_map": {"": device}}
-        loaded = cls.from_pretrained(
+        loaded, info = cls.from_pretrained(
             None,
             config=config,
             state_dict=weights,
             dtype=dtype,
             attn_implementation=ATTENTION_NAME,
+            output_loading_info=True,
             **placed,
         )
-    except torch.OutOfMemoryError:
+        check_loading_info(source, loaded, info)
+    except (torch.OutOfMemoryError, BatchgenError):
         raise
     except Exception as exc:  # reading the folder itself reports what is wrong, if anything
         return None, first_line(exc)

@@ -28,6 +28,9 @@ from batchgen.engine.quant.fp8 import FP8_DTYPE, Fp8Linear, quantize_weight
 from batchgen.errors import BatchgenError
 
 FORMATS = ("compressed-tensors", "fp8")
+# tensors of an FP8 checkpoint that are not module weights: the weight scales are read here,
+# static activation and KV scales deliberately not used (activations are scaled per token)
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")
 
 
 def checkpoint_format(source: str) -> str | None:
@@ -80,11 +83,16 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # FP8 weights and their scales are read below
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dtype, attn_implementation=attention
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attention,
+            output_loading_info=True,
         )
     finally:
         logging.set_verbosity(verbosity)
+    check_loading_info(source, model, info, SCALE_SUFFIXES)
     count = 0
     for name, weight in tensors.items():
         if not name.endswith(".weight") or weight.dtype != FP8_DTYPE:
@@ -102,6 +110,33 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
     if not count:
         raise BatchgenError(f"model '{source}' says it is FP8 but stores no FP8 weights")
     return model
+
+
+def check_loading_info(
+    source: str, model: nn.Module, info: dict[str, Any], consumed: tuple[str, ...] = ()
+) -> None:
+    """BatchgenError where from_pretrained left weights of the model uninitialized (random),
+    or where the folder holds tensors the model does not take, other than those ending in
+    one of `consumed` (read or deliberately ignored by the caller)."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise BatchgenError(
+            f"model '{source}' lacks {len(missing)} tensor(s) its {type(model).__name__} "
+            f"needs ({_names(missing)}): they would be random; check the model folder (an "
+            "incomplete download or a conversion that dropped them)"
+        )
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.endswith(consumed))
+    if unexpected:
+        raise BatchgenError(
+            f"model '{source}' stores {len(unexpected)} tensor(s) its "
+            f"{type(model).__name__} does not take ({_names(unexpected)}): batchgen would run "
+            "without them; check the model folder and its quantization"
+        )
+
+
+def _names(keys: list[str], shown: int = 3) -> str:
+    more = f", ... {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(repr(k) for k in keys[:shown]) + more
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
