@@ -480,6 +480,45 @@ def test_an_fp8_folder_with_tensors_the_model_does_not_take_is_refused(model_dir
     assert "does not take ('model.layers.0.mlp.up_proj.weight_zero_point')" in str(err.value)
 
 
+def test_quantized_weights_without_a_quantization_config_are_refused(model_dir, tmp_path):
+    """FP8 (or integer) weights in a folder whose config.json describes no quantization would
+    be cast to 16 bits without their scales: refused from the safetensors headers before
+    loading, as is a ModelOpt folder (hf_quant_config.json) whatever it stores."""
+    cpu = torch.device("cpu")
+    bare = tmp_path / "bare"
+    _save_prequantized(model_dir("llama"), bare, "ct-channel")
+    config = json.loads((bare / "config.json").read_text())
+    del config["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BatchgenError, match=r"as F8_E4M3 but its config\.json has no quant"):
+        load_model(bare, cpu, torch.float32)
+    ints = _copy_folder(model_dir("llama"), tmp_path / "ints")
+    _add_tensors(
+        ints, {"model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128, dtype=torch.int8)}
+    )
+    with pytest.raises(BatchgenError, match=r"up_proj\.weight' as I8 but"):
+        load_model(ints, cpu, torch.float32)
+    modelopt = _copy_folder(model_dir("llama"), tmp_path / "modelopt")
+    (modelopt / "hf_quant_config.json").write_text(json.dumps({"quantization": {}}))
+    with pytest.raises(BatchgenError, match=r"hf_quant_config\.json .*Model Optimizer") as err:
+        load_model(modelopt, cpu, torch.float32)
+    assert "\n" not in str(err.value)
+
+
+def test_an_fp8_weight_not_in_e4m3_is_refused(model_dir, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "e5m2"
+    _save_prequantized(model_dir("llama"), folder, "ct-channel")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.warns(UserWarning, match="emulation"), pytest.raises(BatchgenError) as err:
+        load_model(folder, torch.device("cpu"), torch.float32)
+    assert f"stores '{name}' as F8_E5M2" in str(err.value)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

@@ -33,14 +33,30 @@ FORMATS = ("compressed-tensors", "fp8")
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")
 
 
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MODELOPT_FILE = "hf_quant_config.json"  # NVIDIA TensorRT Model Optimizer's quantization
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of 16/32/64-bit floats
+E4M3 = "F8_E4M3"
+
+
 def checkpoint_format(source: str) -> str | None:
     """A local folder's FP8 format (one of FORMATS); None for a 16-bit model or a hub id;
-    BatchgenError for a quantization batchgen does not run."""
-    path = Path(source) / "config.json"
+    BatchgenError for a quantization batchgen does not run, or for a folder whose config
+    describes no quantization yet whose weights are stored quantized."""
+    folder = Path(source)
+    path = folder / "config.json"
     if not path.is_file():
         return None
+    if (folder / MODELOPT_FILE).is_file():
+        raise BatchgenError(
+            f"model '{source}' has {MODELOPT_FILE} (quantized by NVIDIA TensorRT Model "
+            "Optimizer): batchgen does not run ModelOpt checkpoints; use a 16-bit, "
+            "compressed-tensors FP8 or transformers FP8 checkpoint"
+        )
     quant = json.loads(path.read_text()).get("quantization_config")
     if not quant:
+        _check_unquantized(source)
         return None
     method = quant.get("quant_method")
     if method == "fp8" and quant.get("activation_scheme", "dynamic") == "dynamic":
@@ -52,6 +68,48 @@ def checkpoint_format(source: str) -> str | None:
         f"({json.dumps(quant, sort_keys=True)[:160]}): batchgen runs 16-bit checkpoints, "
         "compressed-tensors float-quantized FP8 and transformers' FP8 checkpoints only"
     )
+
+
+def _check_unquantized(source: str) -> None:
+    """BatchgenError for a folder without a quantization config whose weights are stored in
+    a low-precision type (FP8, integers): they would be cast to 16 bits without their scales.
+    Reads the safetensors headers only."""
+    for name, dtype in safetensors_dtypes(Path(source)).items():
+        if dtype not in FLOAT_DTYPES and (name.endswith(".weight") or dtype.startswith("F8")):
+            raise BatchgenError(
+                f"model '{source}' stores '{name}' as {dtype} but its config.json has no "
+                "quantization_config: batchgen cannot tell how to scale it; use a 16-bit "
+                "checkpoint, or one whose config.json describes its quantization"
+            )
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files from_pretrained reads: model.safetensors, else those its index
+    names ([] where there are none, or the index cannot be read)."""
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        return sorted({folder / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def safetensors_dtypes(folder: Path) -> dict[str, str]:
+    """name -> safetensors dtype ("BF16", "F8_E4M3", ...) of every tensor in the folder's
+    weight files, from their JSON headers (the tensors are not read)."""
+    out: dict[str, str] = {}
+    for file in weight_files(folder):
+        try:
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError):
+            continue  # from_pretrained says what is wrong with the file
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict):
+                out[name] = str(info.get("dtype"))
+    return out
 
 
 def _float8_groups(quant: dict[str, Any]) -> bool:
@@ -79,6 +137,7 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
     quant = dict(config.quantization_config)
     block = quant.get("weight_block_size") or (128, 128)  # [rows, cols] of one scale block
     del config.quantization_config
+    _check_stored_types(source, safetensors_dtypes(Path(source)))
     tensors = _read_safetensors(Path(source))
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # FP8 weights and their scales are read below
@@ -110,6 +169,18 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
     if not count:
         raise BatchgenError(f"model '{source}' says it is FP8 but stores no FP8 weights")
     return model
+
+
+def _check_stored_types(source: str, dtypes: dict[str, str]) -> None:
+    """BatchgenError for a tensor stored other than in 16/32/64-bit floats or as an E4M3
+    weight: batchgen runs E4M3 weights only (E5M2 and other 8-bit types are refused)."""
+    for name, dtype in dtypes.items():
+        if dtype in FLOAT_DTYPES or (dtype == E4M3 and name.endswith(".weight")):
+            continue
+        raise BatchgenError(
+            f"FP8 model '{source}' stores '{name}' as {dtype}: batchgen loads FP8 E4M3 weights "
+            "(safetensors F8_E4M3) with float scales, and 16/32-bit tensors, only"
+        )
 
 
 def check_loading_info(
