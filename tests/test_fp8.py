@@ -519,6 +519,36 @@ def test_an_fp8_weight_not_in_e4m3_is_refused(model_dir, tmp_path) -> None:
     assert f"stores '{name}' as F8_E5M2" in str(err.value)
 
 
+def _ct_folder_with(model_dir, folder, change) -> None:
+    """A compressed-tensors FP8 folder whose quantization_config `change` edits in place."""
+    _save_prequantized(model_dir("llama"), folder, "ct-channel")
+    config = json.loads((folder / "config.json").read_text())
+    change(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _refused_in_one_line(folder, *phrases: str) -> None:
+    with pytest.raises(BatchgenError) as err:
+        load_model(folder, torch.device("cpu"), torch.float32)
+    message = str(err.value)
+    assert "\n" not in message and all(p in message for p in phrases), message
+
+
+def test_compressed_tensors_sparsity_is_refused_unless_dense(model_dir, tmp_path) -> None:
+    """Sparse storage (2:4 bitmask and the like) is not read: refused from config.json; a
+    sparsity_config whose weights are stored dense loads as any FP8 folder."""
+
+    def sparse(fmt: str):
+        config = {"format": fmt, "sparsity_structure": "2:4", "targets": ["Linear"]}
+        return lambda quant: quant.update(sparsity_config=config)
+
+    _ct_folder_with(model_dir, tmp_path / "sparse", sparse("sparse-24-bitmask"))
+    _refused_in_one_line(tmp_path / "sparse", "sparsity_config format 'sparse-24-bitmask'")
+    _ct_folder_with(model_dir, tmp_path / "dense", sparse("dense"))
+    with pytest.warns(UserWarning, match="emulation"):
+        load_model(tmp_path / "dense", torch.device("cpu"), torch.float32)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

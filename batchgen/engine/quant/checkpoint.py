@@ -58,11 +58,24 @@ def checkpoint_format(source: str) -> str | None:
     if not quant:
         _check_unquantized(source)
         return None
+    return quantization_format(quant, source)
+
+
+def quantization_format(quant: dict[str, Any], source: str) -> str:
+    """The FP8 format (one of FORMATS) of a config's quantization_config; BatchgenError for
+    a quantization batchgen does not run."""
     method = quant.get("quant_method")
     if method == "fp8" and quant.get("activation_scheme", "dynamic") == "dynamic":
         return "fp8"
     if method == "compressed-tensors" and _float8_groups(quant):
-        return "compressed-tensors"
+        feature = _compressed_tensors_extra(quant)
+        if feature is None:
+            return "compressed-tensors"
+        raise BatchgenError(
+            f"model '{source}' is compressed-tensors FP8 with {feature}: batchgen loads "
+            "dense, symmetric FP8 weights without transforms only; use such a checkpoint or "
+            "the 16-bit model"
+        )
     raise BatchgenError(
         f"model '{source}' is quantized as {method!r} "
         f"({json.dumps(quant, sort_keys=True)[:160]}): batchgen runs 16-bit checkpoints, "
@@ -110,6 +123,15 @@ def safetensors_dtypes(folder: Path) -> dict[str, str]:
             if name != "__metadata__" and isinstance(info, dict):
                 out[name] = str(info.get("dtype"))
     return out
+
+
+def _compressed_tensors_extra(quant: dict[str, Any]) -> str | None:
+    """What a compressed-tensors FP8 config asks beyond weights x scales, which batchgen's
+    loader would drop (sparse storage, rotations, zero points), or None."""
+    sparsity = quant.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format", "dense") != "dense":
+        return f"sparsity_config format {sparsity.get('format')!r} (compressed sparse weights)"
+    return None
 
 
 def _float8_groups(quant: dict[str, Any]) -> bool:
