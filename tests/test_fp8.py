@@ -549,6 +549,13 @@ def test_compressed_tensors_sparsity_is_refused_unless_dense(model_dir, tmp_path
         load_model(tmp_path / "dense", torch.device("cpu"), torch.float32)
 
 
+def test_compressed_tensors_transforms_are_refused(model_dir, tmp_path) -> None:
+    rotation = {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "input"}]}
+    transforms = {"config_groups": {"r": rotation}}
+    _ct_folder_with(model_dir, tmp_path / "t", lambda q: q.update(transform_config=transforms))
+    _refused_in_one_line(tmp_path / "t", "transform_config")
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

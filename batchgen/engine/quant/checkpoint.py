@@ -131,6 +131,8 @@ def _compressed_tensors_extra(quant: dict[str, Any]) -> str | None:
     sparsity = quant.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         return f"sparsity_config format {sparsity.get('format')!r} (compressed sparse weights)"
+    if quant.get("transform_config"):
+        return "a transform_config (weights stored rotated, e.g. by Hadamard transforms)"
     return None
 
 
