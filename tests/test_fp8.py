@@ -556,6 +556,17 @@ def test_compressed_tensors_transforms_are_refused(model_dir, tmp_path) -> None:
     _refused_in_one_line(tmp_path / "t", "transform_config")
 
 
+@pytest.mark.parametrize("field", [("symmetric", False), ("dynamic", True)])
+def test_compressed_tensors_weights_must_be_symmetric_and_static(model_dir, tmp_path, field):
+    """Zero points (asymmetric weights) and dynamic weight scales are not loaded: refused."""
+
+    def change(quant: dict) -> None:
+        quant["config_groups"]["group_0"]["weights"][field[0]] = field[1]
+
+    _ct_folder_with(model_dir, tmp_path / "w", change)
+    _refused_in_one_line(tmp_path / "w", "compressed-tensors FP8 with", field[0])
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

@@ -133,6 +133,12 @@ def _compressed_tensors_extra(quant: dict[str, Any]) -> str | None:
         return f"sparsity_config format {sparsity.get('format')!r} (compressed sparse weights)"
     if quant.get("transform_config"):
         return "a transform_config (weights stored rotated, e.g. by Hadamard transforms)"
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("symmetric", True) is not True:
+            return "asymmetric weights (symmetric: false, zero points)"
+        if weights.get("dynamic", False) is not False:
+            return f"dynamic weight scales (dynamic: {weights.get('dynamic')!r})"
     return None
 
 
