@@ -78,6 +78,34 @@ def test_quantize_model_keeps_lm_head_and_norms(model_dir) -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_quantization_that_quantizes_nothing_is_refused_and_a_part_announced(tmp_path):
+    """quantization='fp8' on a model with no nn.Linear to quantize (GPT-2's Conv1D) is
+    refused in one line; where weight matrices stay 16-bit (Qwen3-MoE's experts, 3-D
+    parameters), a warning line says how many."""
+    from tests.families import build_family_model
+
+    cpu = torch.device("cpu")
+    gpt2 = build_family_model("gpt2", tmp_path / "gpt2")
+    with pytest.warns(UserWarning, match="emulation"), pytest.raises(BatchgenError) as err:
+        load_model(gpt2, cpu, torch.float32, quantization="fp8")
+    assert "no nn.Linear layers batchgen can quantize" in str(err.value)
+    assert "without quantization" in str(err.value) and "\n" not in str(err.value)
+    moe = build_family_model("qwen3_moe", tmp_path / "moe")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_model(moe, cpu, torch.float32, quantization="fp8")
+    experts = [p.numel() for n, p in model.named_parameters() if ".experts." in n]
+    left = [str(w.message) for w in caught if "leaves" in str(w.message)]
+    assert len(left) == 1 and "\n" not in left[0], left
+    assert re.search(r"leaves ([\d,]+) weights \((\d+)%", left[0])
+    count = int(re.search(r"leaves ([\d,]+)", left[0]).group(1).replace(",", ""))
+    assert count >= sum(experts) > 0 and "experts" in left[0]
+    with warnings.catch_warnings(record=True) as caught:  # every matrix quantized: no warning
+        warnings.simplefilter("always")
+        load_model(build_family_model("llama", tmp_path / "llama"), cpu, torch.float32, "fp8")
+    assert not [w for w in caught if "leaves" in str(w.message)]
+
+
 def test_merged_projections_compose_with_fp8() -> None:
     torch.manual_seed(0)
     parent = nn.Module()

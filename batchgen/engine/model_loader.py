@@ -31,6 +31,7 @@ from batchgen.engine.quant.checkpoint import (
     checkpoint_format,
     load_fp8_checkpoint,
 )
+from batchgen.engine.quant.convert import check_coverage
 from batchgen.engine.upload import upload_model
 from batchgen.errors import BatchgenError, first_line
 
@@ -180,7 +181,7 @@ def load_model(
             ) from exc
         loaded = upload_model(loaded, device).eval()
         if quantization == "fp8" and fmt is None:
-            quantize_model(loaded)
+            check_coverage(loaded, quantize_model(loaded))
         return loaded
     except torch.OutOfMemoryError as exc:
         free = _free_gib(device)

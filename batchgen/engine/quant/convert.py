@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -67,6 +68,48 @@ def quantize_model(model: nn.Module) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child)))
     return len(names)
+
+
+def check_coverage(model: nn.Module, quantized: int) -> None:
+    """After quantize_model quantized `quantized` layers: BatchgenError where it quantized
+    none (the model's matrices are not nn.Linear layers, e.g. GPT-2's Conv1D), else a warning
+    line where weight matrices outside the embeddings stay 16-bit (fused MoE experts kept
+    as 3-D parameters, layers of other classes or widths)."""
+    if not quantized:
+        raise BatchgenError(
+            f"runtime.quantization='fp8' but this {type(model).__name__} has no nn.Linear "
+            "layers batchgen can quantize (its weight matrices are of other classes, or not "
+            f"multiples of {GEMM_MULTIPLE} wide): run it without quantization"
+        )
+    left = _unquantized_matrices(model)
+    if not left:
+        return
+    fp8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+    count = sum(left.values())
+    names = ", ".join(list(left)[:2]) + (", ..." if len(left) > 2 else "")
+    warnings.warn(
+        f"batchgen: quantization='fp8' leaves {count:,} weights ({count / (count + fp8):.0%} "
+        f"of those outside embeddings and norms) in 16 bits, in {len(left)} tensor(s) that "
+        f"are not nn.Linear layers batchgen quantizes ({names})",
+        stacklevel=3,
+    )
+
+
+def _unquantized_matrices(model: nn.Module) -> dict[str, int]:
+    """name -> size of each weight of two or more dimensions left 16-bit, outside the
+    embeddings and the lm_head."""
+    kept = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            kept.add(getattr(model, getter)())
+    out = {}
+    for module_name, module in model.named_modules():
+        if module in kept or isinstance(module, nn.Embedding | Fp8Linear):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() >= 2:
+                out[f"{module_name}.{name}" if module_name else name] = param.numel()
+    return out
 
 
 def is_quantized(model: nn.Module) -> bool:
