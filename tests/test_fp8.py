@@ -556,7 +556,8 @@ def _ct_folder_with(model_dir, folder, change) -> None:
 
 
 def _refused_in_one_line(folder, *phrases: str) -> None:
-    with pytest.raises(BatchgenError) as err:
+    with warnings.catch_warnings(), pytest.raises(BatchgenError) as err:
+        warnings.simplefilter("ignore")  # the CPU emulation's
         load_model(folder, torch.device("cpu"), torch.float32)
     message = str(err.value)
     assert "\n" not in message and all(p in message for p in phrases), message
@@ -593,6 +594,80 @@ def test_compressed_tensors_weights_must_be_symmetric_and_static(model_dir, tmp_
 
     _ct_folder_with(model_dir, tmp_path / "w", change)
     _refused_in_one_line(tmp_path / "w", "compressed-tensors FP8 with", field[0])
+
+
+def test_an_fp8_folder_is_read_from_the_files_from_pretrained_reads(model_dir, tmp_path):
+    """Safetensors files beside model.safetensors (consolidated.safetensors of Mistral's
+    layout, a stale copy) are not read: the FP8 weights are those of the model's own file."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "fp8"
+    _save_prequantized(model_dir("llama"), folder, "ct-channel")
+    stored = load_file(folder / "model.safetensors")
+    index = {"metadata": {}, "weight_map": dict.fromkeys(stored, "model.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    q = "model.layers.0.self_attn.q_proj"
+    save_file(
+        {"layers.0.attention.wq.weight": stored[f"{q}.weight"]}, folder / "consolidated.safetensors"
+    )
+    stale = {f"{q}.weight": stored[f"{q}.weight"].float().neg().to(FP8_DTYPE)}
+    save_file(
+        {**stale, f"{q}.weight_scale": stored[f"{q}.weight_scale"]}, folder / "zz.safetensors"
+    )
+    with pytest.warns(UserWarning, match="emulation"):
+        model = load_model(folder, torch.device("cpu"), torch.float32)
+    got = model.get_submodule(q).weight
+    assert got.view(torch.uint8).equal(stored[f"{q}.weight"].view(torch.uint8))
+
+
+def test_autofp8_per_tensor_weight_scales_load_exactly(model_dir, tmp_path) -> None:
+    """quant_method "fp8" with a per-tensor `weight_scale` (AutoFP8's layout, not
+    transformers' `weight_scale_inv`): the stored FP8 values, the scale on every channel."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "autofp8"
+    _save_prequantized(model_dir("llama"), folder, "ct-tensor")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    stored = load_file(folder / "model.safetensors")
+    with pytest.warns(UserWarning, match="emulation"):
+        model = load_model(folder, torch.device("cpu"), torch.float32)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert layer.weight.view(torch.uint8).equal(stored[f"{name}.weight"].view(torch.uint8))
+        assert (layer.weight_scale == stored[f"{name}.weight_scale"]).all()
+
+
+def test_fp8_weights_of_other_than_linear_layers_are_refused(model_dir, tmp_path) -> None:
+    """An FP8 embedding, or FP8 weights named per expert where the model keeps its experts
+    fused (Qwen3-MoE), are refused before loading, naming the tensor."""
+    from safetensors.torch import load_file
+
+    from tests.families import build_family_model
+
+    folder = tmp_path / "embedding"
+    _save_prequantized(model_dir("llama"), folder, "ct-channel")
+    stored = load_file(folder / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    q, s = quantize_weight(stored[name])
+    save_file({**stored, name: q, "model.embed_tokens.weight_scale": s[:, None]},
+              folder / "model.safetensors")  # fmt: skip
+    _refused_in_one_line(folder, f"stores '{name}', which is not the weight of an nn.Linear")
+    moe = build_family_model("qwen3_moe", tmp_path / "moe")
+    tensors = {}
+    for key, tensor in load_file(moe / "model.safetensors").items():  # saved per expert
+        if ".experts." in key:
+            q, s = quantize_weight(tensor)
+            tensors |= {key: q, key.replace(".weight", ".weight_scale"): s[:, None]}
+        else:
+            tensors[key] = tensor
+    save_file(tensors, moe / "model.safetensors")
+    config = json.loads((moe / "config.json").read_text())
+    config["quantization_config"] = _quant_config("ct-channel")
+    (moe / "config.json").write_text(json.dumps(config))
+    _refused_in_one_line(moe, "experts.0.down_proj.weight', which is not", "no module there")
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -8,7 +8,8 @@ checkpoint's static `input_scale`s are not used):
 - "fp8": transformers' FineGrainedFP8Config (quant_method "fp8"): `weight_scale_inv` per
   [128, 128] block (weight_block_size) or one per tensor. Block scales are converted: each
   weight is dequantized and quantized again per output channel (one more FP8 rounding; a
-  block-scaled GEMM is not implemented).
+  block-scaled GEMM is not implemented). AutoFP8 checkpoints (the same quant_method) store a
+  per-tensor `weight_scale` instead, loaded exactly.
 The model is built from its config without the quantization section (transformers' own FP8
 integration is not used), its 16-bit tensors loaded as usual, and every Linear whose weight
 is stored in FP8 replaced by an Fp8Linear built from the stored tensors.
@@ -24,12 +25,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from batchgen.engine.quant.fp8 import FP8_DTYPE, Fp8Linear, quantize_weight
+from batchgen.engine.quant.fp8 import Fp8Linear, quantize_weight
 from batchgen.errors import BatchgenError
 
 FORMATS = ("compressed-tensors", "fp8")
 # tensors of an FP8 checkpoint that are not module weights: the weight scales are read here,
 # static activation and KV scales deliberately not used (activations are scaled per token)
+WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")
 
 
@@ -159,16 +161,26 @@ def _float8_groups(quant: dict[str, Any]) -> bool:
 
 
 def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: str) -> nn.Module:
-    """The model of a pre-quantized folder: 16-bit modules in dtype, FP8 Linear layers."""
+    """The model of a pre-quantized folder: 16-bit modules in dtype, FP8 Linear layers.
+    The folder's weight files are those from_pretrained reads (model.safetensors, else the
+    files its index names), checked from their headers before anything is loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
+    folder = Path(source)
     config = AutoConfig.from_pretrained(source)
     quant = dict(config.quantization_config)
     block = quant.get("weight_block_size") or (128, 128)  # [rows, cols] of one scale block
     del config.quantization_config
-    _check_stored_types(source, safetensors_dtypes(Path(source)))
-    tensors = _read_safetensors(Path(source))
+    dtypes = safetensors_dtypes(folder)
+    _check_stored_types(source, dtypes)
+    names = sorted(name for name, stored in dtypes.items() if stored == E4M3)
+    if not names:
+        raise BatchgenError(f"model '{source}' says it is FP8 but stores no FP8 weights")
+    _check_linear_targets(source, config, names)
+    layers = [name.removesuffix(".weight") for name in names]
+    scales = {f"{layer}.{suffix}" for layer in layers for suffix in WEIGHT_SCALES}
+    tensors = _read_tensors(folder, set(names) | (scales & set(dtypes)))
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # FP8 weights and their scales are read below
     try:
@@ -182,11 +194,8 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
     finally:
         logging.set_verbosity(verbosity)
     check_loading_info(source, model, info, SCALE_SUFFIXES)
-    count = 0
-    for name, weight in tensors.items():
-        if not name.endswith(".weight") or weight.dtype != FP8_DTYPE:
-            continue
-        layer = name.removesuffix(".weight")
+    for layer in layers:
+        weight = tensors[f"{layer}.weight"]
         parent_name, _, child = layer.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
@@ -195,10 +204,30 @@ def load_fp8_checkpoint(source: str, fmt: str, dtype: torch.dtype, attention: st
             weight, scale = _requantize_blocks(weight, scale, block)
         bias = None if old.bias is None else old.bias.detach()
         setattr(parent, child, Fp8Linear(weight, scale.reshape(-1).float(), bias))
-        count += 1
-    if not count:
-        raise BatchgenError(f"model '{source}' says it is FP8 but stores no FP8 weights")
     return model
+
+
+def _check_linear_targets(source: str, config: Any, names: list[str]) -> None:
+    """BatchgenError, before anything is loaded, for an FP8 weight that is not the weight of
+    an nn.Linear of the model the config builds (an embedding, fused mixture-of-experts
+    parameters, a name of another layout): only Linear layers are loaded in FP8."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    for name in names:
+        try:
+            module = skeleton.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Linear):
+            there = "no module" if module is None else type(module).__name__
+            raise BatchgenError(
+                f"FP8 model '{source}' stores '{name}', which is not the weight of an "
+                f"nn.Linear of its {type(skeleton).__name__} ({there} there): batchgen loads "
+                "FP8 weights of Linear layers only (not embeddings, fused mixture-of-experts "
+                "parameters or other layouts)"
+            )
 
 
 def _check_stored_types(source: str, dtypes: dict[str, str]) -> None:
@@ -240,15 +269,13 @@ def _names(keys: list[str], shown: int = 3) -> str:
     return ", ".join(repr(k) for k in keys[:shown]) + more
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise BatchgenError(f"FP8 model folder '{folder}' has no .safetensors files")
+def _read_tensors(folder: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors named in `wanted` from the folder's weight files."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in weight_files(folder):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if key.endswith((".weight", "weight_scale", "weight_scale_inv")):
+                if key in wanted:
                     tensors[key] = f.get_tensor(key)
     return tensors
 
@@ -256,15 +283,19 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 def _channel_scale(
     fmt: str, tensors: dict[str, torch.Tensor], layer: str, weight: torch.Tensor
 ) -> torch.Tensor:
-    """[N] per-channel scales (a per-tensor one repeated), or [N/128, K/128] block scales."""
-    key = f"{layer}.weight_scale" if fmt == "compressed-tensors" else f"{layer}.weight_scale_inv"
+    """[N] per-channel scales (a per-tensor one repeated), or [N/128, K/128] block scales.
+    transformers' FP8 stores `weight_scale_inv`, AutoFP8 (the same quant_method) and
+    compressed-tensors `weight_scale`: each is what the FP8 values are multiplied by."""
+    key = f"{layer}.weight_scale"
+    if fmt == "fp8" and f"{key}_inv" in tensors:
+        key = f"{key}_inv"
     if key not in tensors:
         raise BatchgenError(f"FP8 weight '{layer}.weight' has no '{key}' in the checkpoint")
     scale = tensors[key].float()
     rows = weight.shape[0]
     if scale.numel() == 1:
         return scale.reshape(1).expand(rows).clone()
-    if scale.dim() == 2 and scale.shape[1] == 1 and scale.shape[0] == rows:
+    if scale.shape in ((rows, 1), (rows,)):
         return scale.reshape(rows)
     if fmt == "fp8" and scale.dim() == 2:
         return scale
