@@ -670,6 +670,58 @@ def test_fp8_weights_of_other_than_linear_layers_are_refused(model_dir, tmp_path
     _refused_in_one_line(moe, "experts.0.down_proj.weight', which is not", "no module there")
 
 
+HUB_SCRIPT = """
+import sys, warnings, torch
+from batchgen.engine.model_loader import load_model
+from batchgen.engine.quant import Fp8Linear
+warnings.simplefilter("ignore")
+for repo in sys.argv[1:]:
+    try:
+        model = load_model(repo, torch.device("cpu"), torch.float32)
+        print(repo, "fp8-layers", sum(isinstance(m, Fp8Linear) for m in model.modules()))
+    except Exception as exc:
+        print(repo, "refused", type(exc).__name__, str(exc).replace(chr(10), " "))
+"""
+
+
+def test_hub_models_get_the_checks_and_fp8_loading_of_folders(model_dir, tmp_path) -> None:
+    """A hub id (here from an offline Hugging Face cache) is checked as a folder is: an FP8
+    model loads through batchgen's FP8 loader, an unsupported quantization is refused, and
+    FP8 weights under a config without quantization are refused."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cache = tmp_path / "hub"
+    fp8 = tmp_path / "fp8"
+    _save_prequantized(model_dir("llama"), fp8, "ct-channel")
+    _ct_folder_with(model_dir, tmp_path / "sparse", lambda q: q.update(
+        sparsity_config={"format": "sparse-24-bitmask"}))  # fmt: skip
+    bare = _copy_folder(fp8, tmp_path / "bare")
+    config = json.loads((bare / "config.json").read_text())
+    del config["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(config))
+    for name, folder in (("fp8", fp8), ("sparse", tmp_path / "sparse"), ("bare", bare)):
+        root = cache / f"models--probe--{name}"
+        shutil.copytree(folder, root / "snapshots" / ("0" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    ids = ["probe/fp8", "probe/sparse", "probe/bare"]
+    run = subprocess.run([sys.executable, "-c", HUB_SCRIPT, *ids], env=env, text=True,
+                         capture_output=True, timeout=600, check=True)  # fmt: skip
+    lines = dict(
+        line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith("probe/")
+    )
+    assert lines["probe/fp8"] == "fp8-layers 14", run.stdout + run.stderr
+    assert lines["probe/sparse"].startswith("refused BatchgenError"), lines
+    assert "sparse-24-bitmask" in lines["probe/sparse"]
+    assert "as F8_E4M3 but its config.json has no quantization_config" in lines["probe/bare"]
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

@@ -28,6 +28,7 @@ from batchgen.engine.preload import Preload
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
 from batchgen.engine.quant.checkpoint import (
     check_loading_info,
+    checkpoint_folder,
     checkpoint_format,
     load_fp8_checkpoint,
 )
@@ -142,19 +143,20 @@ def load_model(
     preload: Preload | None = None,
 ) -> PreTrainedModel:
     """Load a model folder, hub id or "default" with batchgen's attention; quantization
-    'fp8' quantizes its Linear layers on the device. A pre-quantized FP8 folder (its
-    config.json says so) is read as FP8 whatever quantization says. preload: the folder's
+    'fp8' quantizes its Linear layers on the device. A pre-quantized FP8 folder or hub model
+    (its config.json says so) is read as FP8 whatever quantization says. preload: the folder's
     weights, read ahead onto the device (preload.py), if it has read this folder's."""
     register()
     try:
         source = resolve_model_path(model)
-        fmt = checkpoint_format(source)
+        folder = checkpoint_folder(source)  # a hub id's snapshot in the Hugging Face cache
+        fmt = checkpoint_format(folder)
         if fmt is not None or quantization == "fp8":
             check_fp8_device(device)
         weights = preload.take(source, device) if preload is not None else None
         try:
             if fmt is not None:
-                loaded = load_fp8_checkpoint(source, fmt, dtype, ATTENTION_NAME)
+                loaded = load_fp8_checkpoint(folder, fmt, dtype, ATTENTION_NAME)
             else:
                 loaded, failed = _from_weights(source, weights, dtype, device)
                 if loaded is None:  # the folder is read (again)
@@ -165,6 +167,8 @@ def load_model(
                         output_loading_info=True,
                     )
                     check_loading_info(source, loaded, info)
+                    if folder != source:  # a hub model's weight files are in the cache now
+                        checkpoint_format(folder)
                 if failed is not None:  # read ahead for nothing, yet the folder loads
                     warnings.warn(
                         f"batchgen: the weights read ahead were not used ({failed}): the model "

@@ -42,8 +42,30 @@ FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of 16/32/64-bi
 E4M3 = "F8_E4M3"
 
 
+def checkpoint_folder(source: str) -> str:
+    """The folder whose files describe the model: source itself, or for a hub id its snapshot
+    in the Hugging Face cache, with its .json files and, where its config names a
+    quantization, the weight files from_pretrained reads (fetched as from_pretrained would,
+    or taken from the cache offline). source as it is where the hub id cannot be had
+    (from_pretrained then says why)."""
+    if Path(source).is_dir():
+        return source
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source, allow_patterns=["*.json"]))
+        config = json.loads((folder / "config.json").read_text())
+        if isinstance(config, dict) and config.get("quantization_config"):
+            names = [f.name for f in weight_files(folder)] or [SINGLE_FILE]
+            folder = Path(snapshot_download(source, allow_patterns=["*.json", *names]))
+    except Exception:  # not a hub id, offline and not cached, no config: from_pretrained says
+        return source
+    return str(folder)
+
+
 def checkpoint_format(source: str) -> str | None:
-    """A local folder's FP8 format (one of FORMATS); None for a 16-bit model or a hub id;
+    """A local folder's FP8 format (one of FORMATS); None for a 16-bit model or a hub id
+    (checkpoint_folder gives a hub id's folder);
     BatchgenError for a quantization batchgen does not run, or for a folder whose config
     describes no quantization yet whose weights are stored quantized."""
     folder = Path(source)
