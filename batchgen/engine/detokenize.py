@@ -19,16 +19,6 @@ CONTEXT_TOKENS = 5  # tokens decoded before an output (vLLM's detokenizer starts
 TextIds = tuple[Sequence[int], Sequence[int]]  # (the tokens before, the output's tokens)
 
 
-def context_of(before: Sequence[int], ids: Sequence[int], start: int) -> list[int]:
-    """The last CONTEXT_TOKENS tokens before ids[start]: those of ids, then those of `before`
-    (the prompt's) where ids has fewer."""
-    own = list(ids[max(0, start - CONTEXT_TOKENS) : start])
-    need = CONTEXT_TOKENS - len(own)
-    if need > 0 and before:
-        own = list(before[-need:]) + own
-    return own
-
-
 def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> str:
     """The text of `ids` as it reads after the tokens `before` (only their last
     CONTEXT_TOKENS matter), special tokens left out. Where the context's text is not a prefix

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from batchgen.engine.detokenize import context_of, output_text
+from batchgen.engine.detokenize import output_text
 from batchgen.engine.request import Request
 
 BYTES_PER_CHAR = 4  # a byte-level token may hold a single byte of a UTF-8 character
@@ -48,7 +48,10 @@ def match_stop_strings(
         return None
     longest = max(len(s) for s in stop)
     start = max(0, len(tokens) - (BYTES_PER_CHAR * longest + 2))
-    tail = output_text(tokenizer, context_of(prompt, tokens, start), tokens[start:])
+    if start == 0:  # the output's start: its first token's space is the prompt's context's
+        tail = output_text(tokenizer, prompt, tokens)
+    else:  # a match ends in the newest tokens, far past what a decode may cut at the start
+        tail = tokenizer.decode(tokens[start:], skip_special_tokens=True)
     if not any(s in tail for s in stop):
         return None
     text = output_text(tokenizer, prompt, tokens)
