@@ -23,7 +23,7 @@ from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError, check_field
 from batchgen.formats.openai_batch.requests import OPENAI_DEFAULTS
 from batchgen.io import InputConfig, OutputConfig
-from batchgen.io.fs import scheme_of
+from batchgen.io.fs import local_path, scheme_of
 from batchgen.io.readers import OPENAI_BATCH
 from batchgen.prompts import PromptConfig
 
@@ -202,21 +202,24 @@ def load_spec(
 def _resolve_paths(table: dict[str, Any], base: Path) -> None:
     """Relative paths in a job file are relative to the file's folder: output.dir always;
     input.path and model.path where something exists there (otherwise they may name a hub
-    dataset or model, or a path relative to the working directory)."""
-    for section, key, always in (("output", "dir", True), ("input", "path", False)):
-        value = table.get(section, {}).get(key) if isinstance(table.get(section), dict) else None
-        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
-            continue
-        if scheme_of(value):  # an object-store URL is absolute
-            continue
+    dataset or model, or a path relative to the working directory). A local path written
+    with ~ or file:// is normalised first (as_path's rule), so it is never joined."""
+    for section, key, always in (
+        ("output", "dir", True),
+        ("input", "path", False),
+        ("model", "path", False),
+    ):
+        values = table.get(section)
+        value = values.get(key) if isinstance(values, dict) else None
+        if not isinstance(value, str) or not value or scheme_of(value):
+            continue  # an object-store URL is absolute
+        if value.startswith(("~", "file://")):
+            values[key] = value = str(local_path(value))
         joined = base / value
+        if Path(value).is_absolute():
+            continue
         if always or glob.glob(str(joined)) or joined.exists():
-            table[section][key] = os.path.normpath(joined)
-    model = table.get("model")
-    if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"]:
-        joined = base / model["path"]
-        if not Path(model["path"]).expanduser().is_absolute() and joined.exists():
-            model["path"] = os.path.normpath(joined)
+            values[key] = os.path.normpath(joined)
 
 
 def apply_override(table: dict[str, Any], item: str) -> str:

@@ -97,3 +97,42 @@ def test_a_job_file_runs_from_any_directory(tmp_path: Path, monkeypatch) -> None
     spec = json.loads(output[: output.rindex("}") + 1])
     assert Path(spec["input"]["path"]).resolve() == jobs / "demo_prompts.jsonl"
     assert Path(spec["output"]["dir"]).resolve() == jobs.parent / "out" / "demo"
+
+
+def test_an_output_dir_under_home_is_written_and_read_there(
+    model_dir, tmp_path: Path, prompts: Path, monkeypatch
+) -> None:
+    """~ in output.dir (an option or a job file) is the home folder, for every file the job
+    writes and reads back; never a folder named '~' in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    common = ["--model", str(model_dir("llama")), "--input", str(prompts), "--max-new-tokens", "2"]
+    common += ["--quiet", "--set", "runtime.device='cpu'"]
+    for fmt in ("parquet", "jsonl"):
+        code, output = invoke("run", *common, "--output", f"~/out-{fmt}", "--output-format", fmt)
+        assert code == 0, output
+        assert (home / f"out-{fmt}" / f"results.{fmt}").is_file()
+        summary = json.loads((home / f"out-{fmt}" / "summary.json").read_text())
+        assert summary["complete"] and summary["rows_ok"] == 1
+    assert not (work / "~").exists()
+    job = tmp_path / "jobs" / "job.toml"
+    job.parent.mkdir()
+    job.write_text(f'[input]\npath = "{prompts}"\n[output]\ndir = "~/from-job"\n')
+    code, output = invoke("validate", str(job))
+    assert code == 0, output
+    spec = json.loads(output[: output.rindex("}") + 1])
+    assert spec["output"]["dir"] == str(home / "from-job")
+
+
+def test_a_file_url_output_dir_in_a_job_file_is_that_folder(tmp_path: Path, prompts: Path) -> None:
+    job = tmp_path / "jobs" / "job.toml"
+    job.parent.mkdir()
+    target = tmp_path / "elsewhere" / "out"
+    job.write_text(f'[input]\npath = "file://{prompts}"\n[output]\ndir = "file://{target}"\n')
+    code, output = invoke("validate", str(job))
+    assert code == 0, output
+    spec = json.loads(output[: output.rindex("}") + 1])
+    assert spec["output"]["dir"] == str(target) and spec["input"]["path"] == str(prompts)

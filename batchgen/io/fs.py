@@ -63,18 +63,25 @@ def scheme_of(text: str) -> str | None:
 
 
 def as_path(text: str | Path) -> AnyPath:
-    """A Path for local text (as given: callers expand ~ where they did before), an
-    ObjectPath for a URL. BatchgenError (one line)
-    for a scheme batchgen does not know or whose library is missing."""
-    if isinstance(text, (Path, ObjectPath)):
+    """A Path for local text (file:// taken off, ~ expanded: the one place a local path is
+    normalised, so every use of it names the same folder), an ObjectPath for a URL.
+    BatchgenError (one line) for a scheme batchgen does not know or whose library is missing."""
+    if isinstance(text, ObjectPath):
         return text
+    if isinstance(text, Path):
+        return text.expanduser()
     scheme = scheme_of(text)
     if scheme is None:
-        return Path(text.removeprefix("file://"))
+        return local_path(text)
     if scheme not in SCHEME_PACKAGES:
         known = ", ".join(f"{s}://" for s in SCHEME_PACKAGES)
         raise BatchgenError(f"{text!r}: unknown scheme {scheme}:// (batchgen reads {known})")
     return ObjectPath(_filesystem(scheme, text), scheme, _URL.match(text).group(2).rstrip("/"))
+
+
+def local_path(text: str) -> Path:
+    """A local path as written (file:// taken off, ~ expanded)."""
+    return Path(text.removeprefix("file://")).expanduser()
 
 
 def is_object(path: AnyPath) -> bool:
