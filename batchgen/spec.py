@@ -222,6 +222,9 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
             values[key] = os.path.normpath(joined)
 
 
+TOML_OPENERS = ('"', "'", "[", "{")  # a --set value starting so is TOML, never a bare word
+
+
 def apply_override(table: dict[str, Any], item: str) -> str:
     """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
     key, sep, raw = item.partition("=")
@@ -230,10 +233,21 @@ def apply_override(table: dict[str, Any], item: str) -> str:
         raise BatchgenError(f"--set {item!r}: use section.key=value, e.g. sampling.temperature=0.7")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if raw.lstrip().startswith(TOML_OPENERS):  # meant as TOML: not taken as raw text
+            raise BatchgenError(
+                f"--set {item!r}: the value is not valid TOML ({_reason(exc)}): quote each string, "
+                "in single quotes to keep backslashes, e.g. sampling.stop=['END', 'STOP'] "
+                "or sampling.regex='\\d+'"
+            ) from exc
         value = raw  # a bare word is a string
     table.setdefault(section, {})[name] = value
     return f"{section.strip()}.{name.strip()}"
+
+
+def _reason(exc: tomllib.TOMLDecodeError) -> str:
+    """The TOML error without its position (that of the value inside a wrapper line)."""
+    return str(exc).split(" (at line", 1)[0]
 
 
 def spec_from_table(table: dict[str, Any]) -> JobSpec:
