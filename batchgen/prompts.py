@@ -41,8 +41,11 @@ class PromptConfig:
             )
         if self.truncate not in TRUNCATE:
             raise ValueError(f"truncate={self.truncate!r} is not allowed: use one of {TRUNCATE}")
-        if self.template is not None:
-            template_fields(self.template)  # raises ValueError on a malformed template
+        if self.template is not None and not template_fields(self.template):  # or malformed
+            raise ValueError(
+                f"template {self.template!r} names no column ({{column}}): every row would "
+                "get the same prompt"
+            )
         object.__setattr__(self, "passthrough", tuple(self.passthrough))
 
     @property

@@ -32,3 +32,10 @@ def test_a_bare_word_set_value_is_a_string() -> None:
     assert spec.sampling.stop == ("END",) and spec.prompt.template == "Q: {prompt}"
     spec = load_spec(None, [*BASE, "sampling.stop=['[a', '{b']", "sampling.regex='\\d+'"])
     assert spec.sampling.stop == ("[a", "{b") and spec.sampling.regex == "\\d+"
+
+
+@pytest.mark.parametrize("template", ["Summarize: {{prompt}}", "", "just text"])
+def test_a_template_that_names_no_column_is_refused(template: str) -> None:
+    """Every row would get the same prompt."""
+    with pytest.raises(BatchgenError, match="names no column"):
+        load_spec(None, BASE, {"prompt.template": template})
