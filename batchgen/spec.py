@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import tomllib
 import types
@@ -324,9 +325,20 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             if all(_is(v, item) for v in value):
                 return tuple(value)
         elif origin is None and option is not type(None) and _is(value, option):
-            return float(value) if option is float else value
+            return _finite(value, where) if option is float else value
     expected = " or ".join(_name(o) for o in options)
     raise BatchgenError(f"{where} = {value!r}: expected {expected}")
+
+
+def _finite(value: float, where: str) -> float:
+    """A number as a float; inf, nan or one too large for a float is an error naming the key."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise BatchgenError(f"{where} = {value!r}: expected a finite number")
+    return number
 
 
 def _is(value: Any, kind: type) -> bool:

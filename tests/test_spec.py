@@ -39,3 +39,39 @@ def test_a_template_that_names_no_column_is_refused(template: str) -> None:
     """Every row would get the same prompt."""
     with pytest.raises(BatchgenError, match="names no column"):
         load_spec(None, BASE, {"prompt.template": template})
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        "output.shard_seconds=inf",
+        "runtime.heartbeat_timeout_s=nan",
+        "runtime.rank_timeout_s=inf",
+        "runtime.cpu_kv_cache_gib=inf",
+        "runtime.kv_cache_memory_fraction=-nan",
+        "sampling.temperature=1e400",
+        "sampling.top_p=nan",
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_naming_its_key(item: str) -> None:
+    key = item.split("=")[0]
+    with pytest.raises(BatchgenError, match=rf"{key} = .*expected a finite number"):
+        load_spec(None, [*BASE, item])
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("cpu_kv_cache_gib", 1e9),  # more memory than any machine has
+        ("cpu_kv_cache_gib", 1e30),  # more blocks than a tensor's size can say
+        ("max_num_batched_tokens", 10**13),
+    ],
+)
+def test_an_allocation_the_settings_make_too_large_names_the_setting(
+    model_dir, setting: str, value: float
+) -> None:
+    from batchgen import Engine, EngineConfig
+
+    config = EngineConfig(device="cpu", check_model=False, **{setting: value})
+    with pytest.raises(BatchgenError, match=f"cannot allocate .*: lower runtime.{setting}"):
+        Engine(str(model_dir("llama")), config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from functools import partial
 from itertools import pairwise
 from typing import Any, NamedTuple, Protocol
@@ -86,6 +87,31 @@ def _free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+@contextlib.contextmanager
+def allocating(what: str, setting: str) -> Iterator[None]:
+    """An allocation the settings sized: its failure (no memory, or a size past what the
+    allocator takes) is one BatchgenError naming the setting to lower."""
+    try:
+        yield
+    except (MemoryError, RuntimeError, TypeError, OverflowError) as exc:
+        text = str(exc)
+        if not isinstance(exc, (MemoryError, OverflowError)) and not any(
+            word in text for word in ("alloc", "out of memory", "Overflow")
+        ):
+            raise
+        reason = text.strip().splitlines()[0][:160] if text.strip() else type(exc).__name__
+        raise BatchgenError(f"cannot allocate {what} ({reason}): lower {setting}") from exc
+
+
+def _kv_setting(config: EngineConfig, device: torch.device) -> str:
+    """The setting that sized the KV cache."""
+    if config.num_kv_blocks is not None:
+        return "runtime.num_kv_blocks"
+    if device.type == "cuda":
+        return "runtime.kv_cache_memory_fraction"
+    return "runtime.cpu_kv_cache_gib"
+
+
 def _capture_or_warn(runner: ModelRunner) -> StepGraphs | None:
     """Step graphs, or None with a warning when the model's forward cannot be captured (a
     layer that copies from the host or synchronizes, e.g. some mixture-of-experts kernels):
@@ -159,15 +185,16 @@ class ModelRunner:
         self.shape = shape  # measured once by the engine (model_shape runs a forward pass)
         s = shape
         # one extra block: the scratch block that padding rows read and write
-        self.kv_cache = KVCache.allocate(
-            s.num_layers,
-            num_blocks + 1,
-            config.block_size,
-            s.num_kv_heads,
-            s.head_dim,
-            dtype,
-            device,
-        )
+        with allocating(f"a KV cache of {num_blocks:,} blocks", _kv_setting(config, device)):
+            self.kv_cache = KVCache.allocate(
+                s.num_layers,
+                num_blocks + 1,
+                config.block_size,
+                s.num_kv_heads,
+                s.head_dim,
+                dtype,
+                device,
+            )
         self.pad_slot = config.max_num_seqs
         width = blocks_for(max_model_len, config.block_size)
         # block_tables[slot]: [width] int32 KV block ids of the request in that slot, -1 unused
@@ -191,7 +218,8 @@ class ModelRunner:
         # tokens and per sequence; a step with more (cached blocks entering) grows the buffers
         updates = blocks_for(budget, config.block_size) + seqs
         size = Layout(budget, seqs + 1, seqs, U=updates).size
-        self.transfer = Transfer(size, seqs, device)
+        with allocating(f"step buffers for {budget:,} tokens", "runtime.max_num_batched_tokens"):
+            self.transfer = Transfer(size, seqs, device)
         self.packer = StepPacker()  # packs each launched step's buffer, in launch order
         # called around each launched step (a benchmark's timeline); None = nothing
         self.step_hook: StepHook | None = None
