@@ -196,8 +196,25 @@ def load_spec(
                 "give it once"
             )
         section, _, name = key.partition(".")
-        table.setdefault(section, {})[name] = value
+        _section(table, section)[name] = value
     return spec_from_table(table)
+
+
+def _section(table: dict[str, Any], section: str) -> dict[str, Any]:
+    """The table of `section`, made where absent; a section given as a plain value is an
+    error (keys cannot be set inside it)."""
+    values = table.setdefault(section, {})
+    if not isinstance(values, dict):
+        raise _not_a_table(section, values)
+    return values
+
+
+def _not_a_table(section: str, value: Any) -> BatchgenError:
+    kind = "a list" if isinstance(value, list) else _name(type(value))
+    return BatchgenError(
+        f"[{section}] must be a table of keys, not {kind} ({section} = {value!r}): write "
+        f"[{section}] on a line of its own, then key = value lines"
+    )
 
 
 def _resolve_paths(table: dict[str, Any], base: Path) -> None:
@@ -242,8 +259,9 @@ def apply_override(table: dict[str, Any], item: str) -> str:
                 "or sampling.regex='\\d+'"
             ) from exc
         value = raw  # a bare word is a string
-    table.setdefault(section, {})[name] = value
-    return f"{section.strip()}.{name.strip()}"
+    section, name = section.strip(), name.strip()
+    _section(table, section)[name] = value
+    return f"{section}.{name}"
 
 
 def _reason(exc: tomllib.TOMLDecodeError) -> str:
@@ -256,7 +274,9 @@ def spec_from_table(table: dict[str, Any]) -> JobSpec:
     if unknown:
         raise BatchgenError(f"unknown section [{unknown[0]}]: sections are {', '.join(SECTIONS)}")
     for name in ("input", "output"):
-        if not isinstance(table.get(name), dict) or not table[name]:
+        if name in table and not isinstance(table[name], dict):
+            raise _not_a_table(name, table[name])
+        if not table.get(name):
             hint = "path" if name == "input" else "dir"
             raise BatchgenError(
                 f"[{name}] {hint} is required (in the job file or with "
@@ -286,7 +306,7 @@ def engine_config(overrides: list[str]) -> EngineConfig:
 
 def _build_section(section: str, values: Any, classes: tuple[type, ...]) -> list[Any]:
     if not isinstance(values, dict):
-        raise BatchgenError(f"[{section}] must be a table of keys, not {type(values).__name__}")
+        raise _not_a_table(section, values)
     if section == "sampling":
         try:
             values = resolve_aliases(values)

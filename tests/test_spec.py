@@ -75,3 +75,27 @@ def test_an_allocation_the_settings_make_too_large_names_the_setting(
     config = EngineConfig(device="cpu", check_model=False, **{setting: value})
     with pytest.raises(BatchgenError, match=f"cannot allocate .*: lower runtime.{setting}"):
         Engine(str(model_dir("llama")), config)
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "values"),
+    [
+        ('model = "default"\n', ["model.path='x'"], {}),
+        ('model = "default"\n', [], {"model.path": "x"}),
+        ('model = "default"\n', [], {}),
+        ("sampling = 3\n", ["sampling.temperature=0.5"], {}),
+        ('runtime = ["a"]\n', [], {"runtime.max_num_seqs": 4}),
+        ('input = "x.jsonl"\n', [], {}),
+        ('input = "x.jsonl"\n', [], {"input.format": "jsonl"}),
+        ('output = "out"\n', [], {}),
+    ],
+)
+def test_a_section_written_as_a_plain_value_is_refused(
+    tmp_path, text: str, args: list[str], values: dict
+) -> None:
+    section = text.split(" ")[0]
+    rest = {"input": '[input]\npath = "x.jsonl"\n', "output": '[output]\ndir = "out"\n'}
+    job = tmp_path / "job.toml"
+    job.write_text(text + "".join(v for k, v in rest.items() if k != section))
+    with pytest.raises(BatchgenError, match=rf"\[{section}\] must be a table of keys, not"):
+        load_spec(job, args, values)
