@@ -10,6 +10,7 @@ every rank has ended; the others check before each commit that the lock is still
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from batchgen.io.checkpoint import (
     scan_committed,
 )
 from batchgen.io.object_lock import OutputLock, output_lock
+from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
     NO_HOOKS,
     JobResult,
@@ -154,7 +156,14 @@ def _generate(
     summary = (
         outcome.summary
         if outcome is not None  # else this rank's own counts: no rank has the job's
-        else _summary(beat.progress(), started, len(plan.done), plan.resuming, beat.world)
+        else _summary(
+            beat.progress(),
+            started,
+            len(plan.done),
+            _known_counts(plan, beat),
+            plan.resuming,
+            beat.world,
+        )
     )
     if why is not None and why.failure is not None:
         if why.failure.user:
@@ -190,7 +199,14 @@ def _end_on_rank0(
         files = write_results(spec, layout, tokenizer) if final else None
     except Exception as exc:
         failed = Stop(0, "rank 0 failed", Failure.of(exc))
-        mine = _summary(beat.progress(), started, len(plan.done), plan.resuming, beat.world)
+        mine = _summary(
+            beat.progress(),
+            started,
+            len(plan.done),
+            _known_counts(plan, beat),
+            plan.resuming,
+            beat.world,
+        )
         beat.publish_outcome(Outcome(mine, failed))
         raise
     done = total([ends[k].progress if k in ends else beat.last[k] for k in range(beat.world)])
@@ -201,18 +217,32 @@ def _end_on_rank0(
         for phase, seconds in end.startup_s.items():
             phases[phase] = max(phases.get(phase, 0.0), seconds)
     summary = _summary(
-        done, started, len(after.indexes), plan.resuming, beat.world, complete, files, phases
-    )
+        done, started, len(after.indexes), after.counts, plan.resuming, beat.world, complete,
+        files, phases,
+    )  # fmt: skip
     write_json_atomic(layout.summary, summary.to_dict())
     outcome = Outcome(summary, beat.stopped_by)
     beat.publish_outcome(outcome)
     return outcome
 
 
+def _known_counts(plan: Plan, beat: Heartbeat) -> RowCounts:
+    """The job's counts where no rank scanned its shards at the end: those committed before
+    this run, and this run's rows."""
+    job = dataclasses.replace(plan.counts)
+    job.merge(_run_counts(beat.progress()))
+    return job
+
+
+def _run_counts(done: Progress) -> RowCounts:
+    return RowCounts(done.rows_ok, done.rows_error, done.prompt_tokens, done.generated_tokens)
+
+
 def _summary(
     done: Progress,
     started: float,
     committed: int,
+    job: RowCounts,
     resumed: bool,
     world_size: int,
     complete: bool = False,
@@ -225,12 +255,9 @@ def _summary(
         else 0
     )
     return JobSummary(
-        rows_ok=done.rows_ok,
-        rows_error=done.rows_error,
-        prompt_tokens=done.prompt_tokens,
+        **JobSummary.counts(job, _run_counts(done)),
         prompt_tokens_cached=done.cached_prompt_tokens,
         prefix_cache_hit_rate=round(hit, 4),
-        generated_tokens=done.generated_tokens,
         wall_s=time.perf_counter() - started,
         rows_committed_total=committed,
         resumed=resumed,

@@ -305,12 +305,9 @@ def _run(
         startup["first_row"] = round(stats.first_row_at - started, 3)
     cached = cache()
     summary = JobSummary(
-        rows_ok=stats.rows_ok,
-        rows_error=stats.rows_error,
-        prompt_tokens=stats.prompt_tokens,
+        **JobSummary.counts(after.counts, stats),
         prompt_tokens_cached=cached.cached_tokens,
         prefix_cache_hit_rate=round(cached.hit_rate, 4),
-        generated_tokens=stats.generated_tokens,
         wall_s=time.perf_counter() - started,
         rows_committed_total=len(after.indexes),
         resumed=resuming,

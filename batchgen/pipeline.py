@@ -18,7 +18,7 @@ from batchgen.engine.detokenize import CONTEXT_TOKENS, TextIds
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
-from batchgen.io.output_schema import OutputRow
+from batchgen.io.output_schema import OutputRow, RowCounts
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RankRows
 from batchgen.tokenizer_pool import TokenizerPool
@@ -159,12 +159,10 @@ class Producer(threading.Thread):
 
 
 @dataclass
-class Stats:
-    rows_ok: int = 0
-    rows_error: int = 0
-    prompt_tokens: int = 0  # of the samples the engine ran (not of prompts it refused)
-    generated_tokens: int = 0
-    first_row_at: float | None = None  # perf_counter when the first row was finished
+class Stats(RowCounts):
+    """The rows this run wrote (RowCounts), and when the first one was finished."""
+
+    first_row_at: float | None = None  # perf_counter
 
 
 class Consumer(threading.Thread):
@@ -194,7 +192,6 @@ class Consumer(threading.Thread):
         self.on_rows = on_rows  # also given every finished group of rows (the lazy API)
         self.queue: queue.Queue[tuple[RowPrompt, RequestOutput | None] | None] = queue.Queue()
         self._samples: dict[int, list[OutputRow]] = {}  # index -> finished samples so far
-        self._ran: dict[int, int] = {}  # index -> prompt tokens of its samples the engine ran
         self.stats = Stats()
         self.error: BaseException | None = None
         self.failed = threading.Event()
@@ -244,15 +241,13 @@ class Consumer(threading.Thread):
             self.stats.first_row_at = time.perf_counter()
         group = self._samples.setdefault(prompt.index, [])
         group.append(self._row(prompt, out, texts))
-        if out is not None and out.error is None:  # admitted (a refused prompt has an error)
-            ran = self._ran.get(prompt.index, 0)
-            self._ran[prompt.index] = ran + len(prompt.prompt_ids or [])
         if out is None or out.last:
             del self._samples[prompt.index]
             group.sort(key=lambda r: r.sample_index)
             records = [row.record(self.writer.columns) for row in group]
             self.writer.add_group(records)
-            self._count(group, self._ran.pop(prompt.index, 0))
+            for row in group:
+                self.stats.add(row.error, row.num_prompt_tokens, row.num_generated_tokens)
             if self.on_rows is not None:
                 self.on_rows(records)
             self.on_row(self.stats)
@@ -286,16 +281,6 @@ class Consumer(threading.Thread):
             passthrough=prompt.passthrough,
             input_hash=prompt.input_hash,
         )
-
-    def _count(self, rows: list[OutputRow], prompt_tokens: int) -> None:
-        s = self.stats
-        for row in rows:
-            if row.error is None:
-                s.rows_ok += 1
-            else:
-                s.rows_error += 1
-            s.generated_tokens += row.num_generated_tokens
-        s.prompt_tokens += prompt_tokens
 
 
 def _own_error(out: RequestOutput) -> str | None:

@@ -33,6 +33,7 @@ from batchgen.io.checkpoint import (
     scan_committed,
 )
 from batchgen.io.object_lock import OutputLock
+from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
     check_job,
     check_resumable,
@@ -52,6 +53,7 @@ class Plan(NamedTuple):
     resuming: bool
     run: str  # the run named in the lock file (RankLock)
     num_rows: int | None  # the input's row count rank 0 saw: every rank shares rows by it
+    counts: RowCounts  # the committed rows' counts before this run
 
 
 class Started(NamedTuple):
@@ -121,7 +123,7 @@ def start_rank(
         committed = scan_committed(layout, note)
         if resuming and current["input"] is None and committed.indexes:
             verify_rows(mine, source, committed)
-        return Plan(committed.indexes, resuming, lock.run, source.num_rows)
+        return Plan(committed.indexes, resuming, lock.run, source.num_rows, committed.counts)
 
     publish_first_beat(group)  # every rank's beat exists once the step below is passed
     plan = group.agree_on_root(prepare)

@@ -6,6 +6,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from batchgen.io.output_schema import RowCounts
+
+COUNTS = ("rows_ok", "rows_error", "prompt_tokens", "generated_tokens")  # RowCounts' fields
+
 
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux: /proc), None where unknown. The CLI reports
@@ -22,16 +26,22 @@ def process_age_s() -> float | None:
 
 @dataclass(frozen=True)
 class JobSummary:
-    """One run of a job. The row and token counts are this run's; rows_committed_total counts
-    every run's committed input rows."""
+    """A job after one of its runs. rows_ok, rows_error, prompt_tokens, generated_tokens and
+    rows_committed_total are the job's: every committed output row, whichever run wrote it
+    (as one uninterrupted run would count them); the run_* counts, the prefix cache's, wall_s,
+    the rates and the start-up phases are this run's."""
 
     rows_ok: int
     rows_error: int
-    prompt_tokens: int
+    prompt_tokens: int  # of the samples the engine ran (not of prompts it refused)
+    generated_tokens: int
+    run_rows_ok: int
+    run_rows_error: int
+    run_prompt_tokens: int
+    run_generated_tokens: int
     # of the prompt tokens the engine admitted in this run, those the prefix cache served
     prompt_tokens_cached: int
     prefix_cache_hit_rate: float
-    generated_tokens: int
     wall_s: float
     rows_committed_total: int
     resumed: bool
@@ -49,13 +59,21 @@ class JobSummary:
     # phase the slowest rank's
     world_size: int = 1
 
+    @staticmethod
+    def counts(job: RowCounts, run: RowCounts) -> dict[str, int]:
+        """The count fields: the job's (its committed rows), then this run's."""
+        out = {k: getattr(job, k) for k in COUNTS}
+        return out | {f"run_{k}": getattr(run, k) for k in COUNTS}
+
     @property
     def generated_tokens_per_s(self) -> float:
-        return round(self.generated_tokens / max(self.wall_s, 1e-9), 1)
+        """This run's."""
+        return round(self.run_generated_tokens / max(self.wall_s, 1e-9), 1)
 
     @property
     def rows_per_s(self) -> float:
-        return round((self.rows_ok + self.rows_error) / max(self.wall_s, 1e-9), 2)
+        """This run's."""
+        return round((self.run_rows_ok + self.run_rows_error) / max(self.wall_s, 1e-9), 2)
 
     def to_dict(self) -> dict[str, Any]:
         """summary.json's content (the error file only where the format writes one)."""

@@ -91,7 +91,7 @@ def test_iterable_dataset_is_streamed_lazily(gen: Generator, expected, tmp_path:
     again = list(out.take(2))  # a second pass reads the finished checkpoint
     assert [r["text"] for r in again] == [r["text"] for r in rows[:2]]
     summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
-    assert summary["resumed"] and summary["rows_ok"] == 0
+    assert summary["resumed"] and summary["run_rows_ok"] == 0
 
 
 def test_dataset_dicts_run_each_split(gen: Generator, expected, tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def test_checkpoint_resumes_after_an_interruption(
     out = gen(table(), sampling={"max_new_tokens": 6}, checkpoint_dir=tmp_path, progress=False)
     assert out["text"] == [expected[p] for p in PROMPTS]
     second = json.loads((tmp_path / "summary.json").read_text())
-    assert second["resumed"] and second["rows_ok"] == 10 - first["rows_committed_total"]
+    assert second["resumed"] and second["run_rows_ok"] == 10 - first["rows_committed_total"]
     with pytest.raises(BatchgenError, match="max_new_tokens changed"):
         gen(table(), sampling={"max_new_tokens": 7}, checkpoint_dir=tmp_path, progress=False)
 

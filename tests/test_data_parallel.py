@@ -182,7 +182,8 @@ def test_one_process_then_three_ranks_under_torchrun(job, tmp_path, started):
     assert all(shards_of(out, rank) for rank in range(3)), "every rank wrote its share"
     summary = json.loads(stdout[stdout.index("{") :])  # rank 0's report alone
     assert summary["complete"] and summary["resumed"] and summary["world_size"] == 3
-    assert summary["rows_ok"] == todo, "totals over the three ranks"
+    assert summary["run_rows_ok"] == todo, "totals over the three ranks"
+    assert summary["rows_ok"] == ROWS, "the job's rows, whichever run wrote them"
     assert f"{todo}/{todo}" in stderr, "one bar, counting every rank's rows"
     assert stdout.count('"world_size"') == 1, "the other ranks print no summary"
     assert results(out) == job.expected

@@ -205,7 +205,7 @@ def test_leftovers_of_a_kill_during_the_final_merge_or_the_first_manifest(
     (out / "results.parquet").rename(out / ".tmp-4242-results.parquet")
     (out / ".tmp-4242-results.parquet").write_bytes(b"PAR1 half")
     again = run_job(spec_for(model, inp, out, "sampling.max_new_tokens=3"))
-    assert again.complete and again.summary.rows_ok == 0
+    assert again.complete and again.summary.run_rows_ok == 0
     assert [r["index"] for r in read_rows(out)] == list(range(6))
     assert not list(out.glob(".tmp-*"))
     fresh = tmp_path / "manifest"

@@ -649,3 +649,44 @@ def test_the_writers_first_use_costs_are_paid_before_the_jobs_clock(
     assert not before  # nothing imported it yet: the checks below can fail
     assert (at_start, at_end) == ((True, True) if fmt == "parquet" else (False, False))
     assert len(read_rows(tmp_path / "out")) == 2
+
+
+def test_summary_counts_are_the_jobs_over_every_run(model_dir, tmp_path: Path) -> None:
+    """A job stopped and resumed reports the counts one uninterrupted run reports (ok and
+    error rows, prompt tokens of the samples the engine ran, generated tokens); this run's
+    own are the run_* counts. A rerun of the complete job keeps the job's counts."""
+    import threading
+
+    from batchgen.job import Hooks
+
+    model = model_dir("llama", max_position_embeddings=48)
+    rows = [{"prompt": f"row {i} " * (1 + i % 3)} for i in range(14)]
+    rows[3]["prompt"] = ""  # an error row the prompt stage makes
+    rows[8]["prompt"] = " ".join(["word"] * 200)  # one the engine refuses: over the context
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    sets = ("sampling.max_new_tokens=3", "sampling.ignore_eos=true", "sampling.n=2")
+    sets += ("output.shard_rows=2", "runtime.max_num_seqs=2")
+    whole = run_job(spec_for(model, inp, tmp_path / "whole", *sets)).summary
+    counts = ("rows_ok", "rows_error", "prompt_tokens", "generated_tokens")
+    assert whole.rows_ok == 24 and whole.rows_error == 2 and whole.generated_tokens == 72
+
+    spec = spec_for(model, inp, tmp_path / "out", *sets)
+    stop, seen = threading.Event(), []
+
+    def on_rows(records: list[dict]) -> None:
+        seen.extend(records)
+        if len(seen) >= 10:
+            stop.set()
+
+    first = run_job(spec, stop=stop, hooks=Hooks(on_rows=on_rows)).summary
+    assert not first.complete and 0 < first.rows_committed_total < len(rows)
+    resumed = run_job(spec).summary
+    assert resumed.complete and resumed.resumed
+    assert [getattr(resumed, k) for k in counts] == [getattr(whole, k) for k in counts]
+    again = run_job(spec).summary
+    assert [getattr(again, k) for k in counts] == [getattr(whole, k) for k in counts]
+    assert [getattr(whole, k) for k in counts] == [getattr(whole, f"run_{k}") for k in counts]
+    assert 0 < resumed.run_rows_ok < whole.rows_ok
+    assert [getattr(again, f"run_{k}") for k in counts] == [0, 0, 0, 0]
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [written[k] for k in counts] == [getattr(whole, k) for k in counts]

@@ -52,8 +52,8 @@ def profiled(model_dir, tmp_path_factory) -> tuple[Path, Path, dict]:
 def test_records_hold_every_token_and_the_job_queues(profiled) -> None:
     _, path, summary = profiled
     _, records = read_records(path)
-    assert sum(r.prefill_tokens for r in records) == summary["prompt_tokens"]
-    assert sum(r.decode_tokens for r in records) == summary["generated_tokens"] - len(ROWS)
+    assert sum(r.prefill_tokens for r in records) == summary["run_prompt_tokens"]
+    assert sum(r.decode_tokens for r in records) == summary["run_generated_tokens"] - len(ROWS)
     assert all(r.tokenizer_depth >= 0 and r.writer_lag >= 0 for r in records)
     assert max(r.writer_lag for r in records) > 0  # rows wait for their shard's commit
     assert records[0].tokenizer_depth > 0 and not pq.read_table(path).column("cause").null_count
@@ -127,7 +127,7 @@ def test_profiling_is_not_part_of_the_resume_identity(model_dir, tmp_path: Path)
     again = run_job(
         spec_for(model_dir("llama"), inp, tmp_path / "out", *SETS, "runtime.profile=true")
     )
-    assert again.summary.resumed and again.summary.rows_ok == 0 and again.profile_file
+    assert again.summary.resumed and again.summary.run_rows_ok == 0 and again.profile_file
     assert not leftover.exists()  # removed with the other temporary files on resume
     assert "steps" in write_report(tmp_path / "out").text  # a run that launched nothing
 
@@ -175,8 +175,8 @@ def test_an_engine_in_its_own_process_is_profiled_there(model_dir, tmp_path: Pat
     info, records = read_records(Path(result.profile_file))
     summary = result.summary
     assert info.stop_host_ms is not None and info.max_num_seqs == 3
-    assert sum(r.prefill_tokens for r in records) == summary.prompt_tokens
-    assert sum(r.decode_tokens for r in records) == summary.generated_tokens - len(ROWS)
+    assert sum(r.prefill_tokens for r in records) == summary.run_prompt_tokens
+    assert sum(r.decode_tokens for r in records) == summary.run_generated_tokens - len(ROWS)
     # the rows that wait in the engine's process are its tokenizer gauge; the writer is not
     assert all(r.tokenizer_depth >= 0 and r.writer_lag is None for r in records)
     assert max(r.tokenizer_depth for r in records) > 0

@@ -54,7 +54,7 @@ def test_changed_input_content_is_refused(job, tmp_path: Path) -> None:
     with pytest.raises(BatchgenError, match=r"the input changed \('in.jsonl'.*--force-resume"):
         job()
     forced = job(force_resume=True)  # on purpose: keeps the old rows, as --force-resume says
-    assert forced.complete and forced.summary.rows_ok == 0
+    assert forced.complete and forced.summary.run_rows_ok == 0
 
 
 def test_a_row_inserted_at_the_top_is_refused(job, tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_the_same_input_under_another_spelling_or_copy_resumes(
     assert job(inp=Path("./in.jsonl")).complete
     shutil.copy(tmp_path / "in.jsonl", tmp_path / "copy.jsonl")  # new mtime, same content
     again = job(inp=tmp_path / "copy.jsonl")
-    assert again.complete and again.summary.resumed and again.summary.rows_ok == 0
+    assert again.complete and again.summary.resumed and again.summary.run_rows_ok == 0
 
 
 @pytest.mark.parametrize(

@@ -236,7 +236,7 @@ def _job(
     summary = result.summary
     if not result.complete or summary.rows_error:
         raise RuntimeError(f"the benchmark job did not complete cleanly: {summary}")
-    return _result(name, start, end, summary.generated_tokens, report)
+    return _result(name, start, end, summary.run_generated_tokens, report)
 
 
 def _result(name: str, start: float, end: float, tokens: int, report: dict) -> PathResult:

@@ -27,7 +27,7 @@ from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_json_atomic
 from batchgen.io.fs import AnyPath, abort_uploads, arrow_file
 from batchgen.io.layout import OutputLayout
-from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS
+from batchgen.io.output_schema import COUNT_COLUMNS, INPUT_HASH, KEY_COLUMNS, RowCounts
 
 MANIFEST_VERSION = 2
 IDENTITY_PARTS = ("settings", "input", "model")
@@ -289,16 +289,18 @@ class Committed:
     indexes: set[int] = field(default_factory=set)
     hashes: dict[int, str] = field(default_factory=dict)  # index -> input row hash, if recorded
     damaged: list[str] = field(default_factory=list)  # shards moved aside (their rows rerun)
+    counts: RowCounts = field(default_factory=RowCounts)  # of every committed output row
 
 
-def read_shard_keys(path: AnyPath) -> tuple[list[Key], list[str | None]]:
-    """(index, sample_index) and input hash of every row; DamagedShard if unreadable."""
+def read_shard_keys(path: AnyPath) -> tuple[list[Key], list[str | None], RowCounts]:
+    """(index, sample_index) and input hash of every row, and the rows' counts; DamagedShard
+    if unreadable."""
     try:
         if path.suffix == ".parquet":
             with arrow_file(path) as f:
                 shard = pq.ParquetFile(f)
                 names = shard.schema_arrow.names
-                wanted = [c for c in (*KEY_COLUMNS, INPUT_HASH) if c in names]
+                wanted = [c for c in (*KEY_COLUMNS, INPUT_HASH, *COUNT_COLUMNS) if c in names]
                 rows = shard.read(columns=wanted).to_pylist()
         else:
             data = path.read_bytes()
@@ -306,12 +308,15 @@ def read_shard_keys(path: AnyPath) -> tuple[list[Key], list[str | None]]:
             if data and not data.endswith(b"\n"):
                 raise ValueError("the last line is cut short")
         keys = [_key(row) for row in rows]
+        counts = RowCounts()
+        for row in rows:
+            counts.add(*(row.get(c) for c in COUNT_COLUMNS))
     except (pa.ArrowException, OSError, ValueError, TypeError, KeyError) as exc:
         raise DamagedShard(_reason(exc)) from exc
     declared = OutputLayout.shard_rows(path)
     if not keys or (declared is not None and declared != len(keys)):
         raise DamagedShard(f"{len(keys)} rows where its name says {declared}")
-    return keys, [row.get(INPUT_HASH) for row in rows]
+    return keys, [row.get(INPUT_HASH) for row in rows], counts
 
 
 def _key(row: Any) -> Key:
@@ -328,7 +333,7 @@ def scan_committed(layout: OutputLayout, note: Callable[[str], None]) -> Committ
     where: dict[Key, str] = {}
     for path in layout.shard_paths():
         try:
-            keys, hashes = read_shard_keys(path)
+            keys, hashes, counts = read_shard_keys(path)
         except DamagedShard as exc:
             _move_aside(layout, path)
             committed.damaged.append(path.name)
@@ -337,6 +342,7 @@ def scan_committed(layout: OutputLayout, note: Callable[[str], None]) -> Committ
                 "its rows are generated again"
             )
             continue
+        committed.counts.merge(counts)
         for key, digest in zip(keys, hashes, strict=True):
             if key in where:
                 raise BatchgenError(

@@ -4,7 +4,7 @@
 <dir>/job.lock            held by the run writing the directory (pid, host)
 <dir>/shards/part-<run>-<seq>-n<rows>.<ext>   committed shards: the checkpoint
 <dir>/damaged/            shards found unreadable on resume, moved aside (rows regenerated)
-<dir>/summary.json        counts and throughput of the last run
+<dir>/summary.json        the job's counts (all its committed rows), the last run's counts and rates
 <dir>/results.<ext>       every committed row in input order (when the job completes)
 <dir>/errors.jsonl        OpenAI Batch error lines (openai-batch input only)
 <dir>/profile/steps-<run>.parquet     per-step records of a run with --profile (never read

@@ -60,6 +60,39 @@ class OutputRow:
         return {c: own[c] if c in own else self.passthrough.get(c) for c in columns}
 
 
+COUNT_COLUMNS = ("error", "num_prompt_tokens", "num_generated_tokens")  # what RowCounts reads
+
+
+@dataclass
+class RowCounts:
+    """Output rows (samples) ok and failed, and their tokens: counted the same way from the
+    rows a run writes and from committed shards (COUNT_COLUMNS), so a job's totals over
+    several runs equal one uninterrupted run's."""
+
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0  # of the samples the engine ran (not of prompts it refused)
+    generated_tokens: int = 0
+
+    def add(self, error: str | None, prompt_tokens: int | None, generated: int | None) -> None:
+        """Count one output row (its COUNT_COLUMNS values)."""
+        if error is None:
+            self.rows_ok += 1
+        else:
+            self.rows_error += 1
+        self.generated_tokens += generated or 0
+        # the engine ran the sample: no error, or one found in what it generated (a refused
+        # prompt, or one that failed in the engine, has no generated token)
+        if error is None or generated:
+            self.prompt_tokens += prompt_tokens or 0
+
+    def merge(self, other: RowCounts) -> None:
+        self.rows_ok += other.rows_ok
+        self.rows_error += other.rows_error
+        self.prompt_tokens += other.prompt_tokens
+        self.generated_tokens += other.generated_tokens
+
+
 def _group(name: str) -> dict[str, pa.DataType]:
     return {
         f.name: f.metadata["arrow"] for f in fields(OutputRow) if f.metadata.get("group") == name
