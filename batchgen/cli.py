@@ -299,17 +299,20 @@ def _exit_code(result: Any, received: list[int]) -> int:
 
 @main.command()
 @_spec_options
+@click.option(
+    "--force-resume", is_flag=True, help="Check as `run --force-resume` would run the job."
+)
 @_guarded
-def validate(job: str | None, sets: tuple[str, ...], **shortcuts: Any) -> None:
-    """Check JOB and its input without loading the model; print the resolved spec."""
+def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **shortcuts: Any) -> None:
+    """Check JOB, its input, model path and output directory without loading the model or
+    writing anything; print the resolved spec."""
     from batchgen.formats import input_format
-    from batchgen.io.fs import as_path
-    from batchgen.io.output_location import check_output_access
-    from batchgen.job import check_job
+    from batchgen.job import check_job, check_model_before_load, check_output_dir_before_lock
 
     spec = _load(job, sets, shortcuts)
     source = check_job(spec)
-    check_output_access(as_path(spec.output.dir))
+    check_model_before_load(spec)
+    check_output_dir_before_lock(spec, source, force_resume)
     click.echo(json.dumps(spec.to_dict(), indent=2))
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 

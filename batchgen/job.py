@@ -22,7 +22,12 @@ from tqdm import tqdm
 
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
-from batchgen.engine.model_path import resolve_model_path
+from batchgen.engine.model_path import (
+    DEFAULT_MODEL,
+    check_max_model_len,
+    folder_context,
+    resolve_model_path,
+)
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.client import EngineProcess, EngineServer, RemoteRecorder
 from batchgen.engine.remote.placement import off_cores
@@ -37,16 +42,17 @@ from batchgen.io.checkpoint import (
     Committed,
     DamagedManifest,
     Manifest,
+    check_directory_writable,
     identity_changes,
     read_manifest,
     remove_temp_files,
     scan_committed,
     write_manifest,
 )
-from batchgen.io.fs import as_path
+from batchgen.io.fs import as_path, is_object
 from batchgen.io.layout import OUTPUT_FORMATS
 from batchgen.io.object_lock import OutputLock, output_lock
-from batchgen.io.output_location import check_output_outside_input
+from batchgen.io.output_location import check_output_access, check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.io.writer import warm_encoders
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
@@ -204,10 +210,7 @@ def run_job(
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
     layout = OutputLayout(spec.output.dir)
     with output_lock(layout) as lock:
-        previous = previous_run(layout, force_resume)
-        fingerprint = source.fingerprint()
-        current = {"settings": result_settings(spec, None), "input": fingerprint, "model": None}
-        check_resumable(layout, previous, current, ("settings", "input"), force_resume)
+        previous, current = check_output_dir(spec, layout, source, force_resume)
         startup = {} if process_s is None else {"process": process_s}
         warming.join()
         startup["checks"] = round(time.perf_counter() - started, 3)
@@ -321,6 +324,46 @@ def _run(
     write_json_atomic(layout.summary, summary.to_dict())
     interrupted = stop.is_set() and not complete
     return JobResult(summary, interrupted, profile_file=None if profile is None else str(profile))
+
+
+def check_output_dir(
+    spec: JobSpec, layout: OutputLayout, source: InputSource, force: bool
+) -> tuple[Manifest | None, dict[str, Any]]:
+    """Whether the output directory takes this job, as far as is known before the model
+    loads (reads only) -> (the earlier run's manifest, the job's identity so far)."""
+    previous = previous_run(layout, force)
+    current = {
+        "settings": result_settings(spec, None),
+        "input": source.fingerprint(),
+        "model": None,
+    }
+    check_resumable(layout, previous, current, ("settings", "input"), force)
+    return previous, current
+
+
+def check_output_dir_before_lock(spec: JobSpec, source: InputSource, force: bool) -> None:
+    """What `run` would refuse about the output directory before any model work, checked
+    without taking its lock or writing into it (`batchgen validate`)."""
+    layout = OutputLayout(spec.output.dir)
+    if is_object(layout.dir):
+        check_output_access(layout.dir)  # a probe object: a store's permissions show no other way
+    else:
+        check_directory_writable(layout.dir)
+    check_output_dir(spec, layout, source, force)
+
+
+def check_model_before_load(spec: JobSpec) -> None:
+    """What loading the model would refuse first, found without loading it: a local model
+    path that does not exist, a max_model_len over the context its config.json gives (the
+    embedded default's: the shape it is built with; it is not built here)."""
+    if spec.model.path == DEFAULT_MODEL:
+        from batchgen.models import DEFAULT_MODEL_SHAPE
+
+        limit = DEFAULT_MODEL_SHAPE.max_position_embeddings
+    else:
+        limit = folder_context(resolve_model_path(spec.model.path))
+    if limit is not None:
+        check_max_model_len(spec.engine.max_model_len, limit)
 
 
 def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:

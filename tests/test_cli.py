@@ -136,3 +136,49 @@ def test_a_file_url_output_dir_in_a_job_file_is_that_folder(tmp_path: Path, prom
     assert code == 0, output
     spec = json.loads(output[: output.rindex("}") + 1])
     assert spec["output"]["dir"] == str(target) and spec["input"]["path"] == str(prompts)
+
+
+def test_validate_refuses_what_run_refuses_before_model_work(
+    model_dir, tmp_path: Path, prompts: Path
+) -> None:
+    """The same one line from `validate` as from `run`, and validate writes nothing."""
+    import os
+
+    model = str(model_dir("llama", max_position_embeddings=64))
+    base = ["--model", model, "--input", str(prompts), "--max-new-tokens", "2"]
+    base += ["--set", "runtime.device='cpu'"]
+    done = str(tmp_path / "done")
+    assert invoke("run", *base, "--output", done, "--quiet")[0] == 0
+    (tmp_path / "notjob").mkdir()
+    (tmp_path / "notjob" / "notes.txt").write_text("x")
+    (tmp_path / "afile").write_text("x")
+    cases = {
+        "does not exist": ["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")],
+        "holds no batchgen job": ["--output", str(tmp_path / "notjob")],
+        "is a file": ["--output", str(tmp_path / "afile")],
+        "afile is a file": ["--output", str(tmp_path / "afile" / "sub")],
+        "max_new_tokens changed": ["--output", done, "--max-new-tokens", "3"],
+        "holds parquet shards": ["--output", done, "--output-format", "jsonl"],
+        "context of 64 tokens": [
+            "--output",
+            str(tmp_path / "o2"),
+            "--set",
+            "runtime.max_model_len=65",
+        ],
+    }
+    if os.geteuid() != 0:  # root writes into a folder without write permission
+        (tmp_path / "ro").mkdir(mode=0o500)
+        cases["is not writable"] = ["--output", str(tmp_path / "ro" / "out")]
+    before = sorted(tmp_path.rglob("*"))
+    for message, extra in cases.items():
+        args = [*base, *extra]
+        code, checked = invoke("validate", *args)
+        assert code == 2 and message in checked, (message, checked)
+        assert sorted(tmp_path.rglob("*")) == before, "validate writes nothing"
+        code, ran = invoke("run", *args, "--quiet")
+        assert code == 2 and ran.strip().splitlines()[-1] == checked.strip(), (message, ran)
+    code, output = invoke("validate", *base, "--output", done)
+    assert code == 0, output
+    code, output = invoke("validate", *base, "--output", done, "--max-new-tokens", "3",
+                          "--force-resume")  # fmt: skip
+    assert code == 0, output

@@ -38,6 +38,7 @@ from batchgen.engine.model_loader import (
     set_cpu_threads,
     weights_version,
 )
+from batchgen.engine.model_path import check_max_model_len
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
@@ -122,12 +123,7 @@ class Engine:
         self.shape = model_shape(self.model)
         clock.mark("shape")
         limit = self.shape.max_position_embeddings
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise BatchgenError(
-                f"max_model_len={self.config.max_model_len:,} is more than the model's context "
-                f"of {limit:,} tokens (max_position_embeddings in its config): lower it, or "
-                "leave it unset for the model's own"
-            )
+        check_max_model_len(self.config.max_model_len, limit)
         self.max_model_len = self.config.max_model_len or limit
         check_rope(self.model, self.max_model_len)
         self.kv_dtype = kv_cache_dtype(self.config, self.dtype, self.device)

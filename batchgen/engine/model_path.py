@@ -3,6 +3,7 @@ it before torch is imported, to have its engine process start loading early)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from batchgen.errors import BatchgenError
@@ -31,3 +32,28 @@ def resolve_model_path(model: str | Path) -> str:
             "a hub id, or 'default' for the embedded model"
         )
     return text
+
+
+def check_max_model_len(max_model_len: int | None, limit: int) -> None:
+    """max_model_len over the model's context (its max_position_embeddings) is refused."""
+    if max_model_len is not None and max_model_len > limit:
+        raise BatchgenError(
+            f"max_model_len={max_model_len:,} is more than the model's context of {limit:,} "
+            "tokens (max_position_embeddings in its config): lower it, or leave it unset for "
+            "the model's own"
+        )
+
+
+def folder_context(folder: str) -> int | None:
+    """max_position_embeddings of a local model folder's config.json (of its text config
+    where it has one, as the loaded model's text config gives it); None where the folder or
+    the field is missing or unreadable."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    limit = (text if isinstance(text, dict) else config).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None

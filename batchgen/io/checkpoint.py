@@ -148,6 +148,27 @@ def new_run_token() -> str:
     return secrets.token_hex(8)
 
 
+def check_directory_writable(out: Path) -> None:
+    """What taking a local directory's lock refuses, found without writing anything: the
+    path is a file, or the directory cannot be created or written in (no permission, a
+    read-only file system, a file where a folder above it should be)."""
+    if out.exists() and not out.is_dir():
+        raise BatchgenError(f"output directory '{out}' is a file: choose a directory path")
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BatchgenError(
+            f"cannot create output directory '{out}' ({existing} is a file): choose a writable path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        doing = "write in" if existing == out.absolute() else "create"
+        raise BatchgenError(
+            f"cannot {doing} output directory '{out}' ({existing} is not writable: no "
+            "permission, or a read-only file system): choose a writable directory"
+        )
+
+
 @dataclass
 class DirectoryLock:
     """An exclusive lock on an output directory, held from acquire() to release().
@@ -167,8 +188,7 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         out = self.layout.dir
-        if out.exists() and not out.is_dir():
-            raise BatchgenError(f"output directory '{out}' is a file: choose a directory path")
+        check_directory_writable(out)
         self._created = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
