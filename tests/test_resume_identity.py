@@ -156,12 +156,45 @@ def test_a_rebuilt_model_at_the_same_path_is_refused(job, tmp_path: Path) -> Non
     assert job(model=model).complete
     shutil.rmtree(model)
     build_tiny_model(tmp_path / "model", seed=1)  # same config and tokenizer, other weights
-    with pytest.raises(BatchgenError, match=r"the model changed \(weights differ\)"):
+    with pytest.raises(BatchgenError, match=r"the model changed \(weights_checksum differ\)"):
         job(model=model)
     copy = tmp_path / "copy"
     build_tiny_model(copy, seed=1)  # the same weights elsewhere: the same model
     assert job(model=copy, force_resume=True).complete
     assert job(model=model).complete
+
+
+def test_a_model_with_one_weight_edited_is_refused(job, tmp_path: Path) -> None:
+    """Every element of every weight counts (here one element of the embedding, away from
+    any evenly spaced sample of it)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    assert job(model=model).complete
+    weights = load_file(model / "model.safetensors")
+    name = next(k for k in weights if "embed_tokens" in k)
+    flat = weights[name].view(-1)
+    spot = 1 + flat.numel() // 127  # between two of 64 evenly spaced elements
+    flat[spot] = flat[spot] + torch.tensor(0.5, dtype=flat.dtype)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(BatchgenError, match=r"the model changed \(weights_checksum differ\)"):
+        job(model=model)
+
+
+def test_a_model_fingerprint_from_an_older_batchgen_asks_for_force_resume(
+    job, tmp_path: Path
+) -> None:
+    assert job().complete
+    manifest = tmp_path / "out" / "job.json"
+    data = json.loads(manifest.read_text())
+    model = data["identity"]["model"]
+    model["weights"] = model.pop("weights_checksum")[:16]  # as an older batchgen recorded it
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(BatchgenError, match=r"recorded by an older batchgen.*--force-resume"):
+        job()
+    assert job(force_resume=True).complete
+    assert job().complete  # the manifest now holds this batchgen's fingerprint
 
 
 def test_two_runs_cannot_write_one_directory(job, tmp_path: Path) -> None:

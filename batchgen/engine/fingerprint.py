@@ -1,9 +1,10 @@
-"""A cheap fingerprint of a loaded model: what decides its outputs besides the settings.
+"""A fingerprint of a loaded model: what decides its outputs besides the settings.
 
-Config (without bookkeeping keys), a sample of every weight tensor (evenly spaced elements,
-in the loaded dtype), the tokenizer (vocabulary, normalization, special tokens, chat template)
-and the end-of-sequence ids. Two loads of the same checkpoint agree; a retrained or edited
-checkpoint, another tokenizer or chat template does not.
+Config (without bookkeeping keys), a checksum of every element of every weight tensor (in the
+loaded dtype, computed where the weights are), the tokenizer (vocabulary, normalization, special
+tokens, chat template) and the end-of-sequence ids. Two loads of the same checkpoint agree, on
+any device; a retrained or edited checkpoint (a single element changed), another tokenizer or
+chat template does not.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-SAMPLES_PER_TENSOR = 64
 _CONFIG_SKIP = {"transformers_version", "dtype", "torch_dtype", "attn_implementation"}
+CHUNK = 1 << 16  # elements per weights checksum
+BLOCK = 1 << 24  # elements multiplied at once (a multiple of CHUNK): bounds the temporaries
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
+_MULTIPLIERS: dict[str, torch.Tensor] = {}  # device -> CHUNK multipliers
 
 
 def model_fingerprint(
@@ -25,7 +30,7 @@ def model_fingerprint(
     return {
         "name": str(getattr(model, "name_or_path", "") or type(model).__name__),
         "config": _digest(json.dumps(_clean(model.config.to_dict()), sort_keys=True, default=str)),
-        "weights": _weights_digest(model),
+        "weights_checksum": _weights_digest(model),
         "tokenizer": _tokenizer_digest(tokenizer),
         "eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids)),
     }
@@ -45,19 +50,55 @@ def _clean(value: Any) -> Any:
 
 @torch.inference_mode()
 def _weights_digest(model: PreTrainedModel) -> str:
+    """sha256 over each tensor's name, shape and dtype and its chunk checksums (weights_sums),
+    moved off the device once."""
     h = hashlib.sha256()
-    samples = []
+    sums = []
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}  # tied weights are summed once
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        flat = tensor.detach().reshape(-1)
-        if flat.numel():
-            count = min(SAMPLES_PER_TENSOR, flat.numel())
-            steps = torch.arange(count, dtype=torch.int64, device=flat.device)
-            index = steps * (flat.numel() - 1) // max(count - 1, 1)  # exact in int64
-            samples.append(flat[index].to(torch.float64))
-    if samples:
-        h.update(torch.cat([s.to(samples[0].device) for s in samples]).cpu().numpy().tobytes())
+        if tensor.numel():
+            key = (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+            if key not in seen:
+                seen[key] = weights_sums(tensor)
+            sums.append(seen[key])
+    if sums:
+        h.update(torch.cat([s.to(sums[0].device) for s in sums]).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """One int64 per CHUNK elements of the tensor (on its device): the sum of its raw words
+    (the elements' bytes as integers of their width), each times a fixed odd pseudo-random
+    multiplier of its place in the chunk, wrapping modulo 2**64. Integer sums wrap the same in
+    any order, so every device gives the same values; a change of one element always changes
+    its chunk's (an odd multiplier times a change below 2**64 is never 0 modulo 2**64), and
+    chunks are hashed in order. The product is made in blocks of BLOCK elements."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = flat.view(_WORDS.get(tensor.element_size(), torch.int64))
+    multipliers = _multipliers(words.device)
+    out = []
+    for start in range(0, words.numel(), BLOCK):
+        block = words[start : start + BLOCK].to(torch.int64)
+        full = block.numel() // CHUNK * CHUNK
+        if full:
+            out.append((block[:full].view(-1, CHUNK) * multipliers).sum(dim=1))
+        if full < block.numel():
+            rest = block[full:]
+            out.append((rest * multipliers[: rest.numel()]).sum().reshape(1))
+    return torch.cat(out)
+
+
+def _multipliers(device: torch.device) -> torch.Tensor:
+    """CHUNK fixed odd 64-bit multipliers (splitmix64 of their place), on `device`."""
+    key = str(device)
+    if key not in _MULTIPLIERS:
+        x = np.arange(CHUNK, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = (x ^ (x >> np.uint64(31))) | np.uint64(1)
+        _MULTIPLIERS[key] = torch.from_numpy(x.view(np.int64)).to(device)
+    return _MULTIPLIERS[key]
 
 
 def _tokenizer_digest(tokenizer: Any) -> str:

@@ -54,6 +54,12 @@ def identity_changes(
                     out.append(f"setting {key} changed ({a!r} -> {b!r})")
         elif part == "input" and _content(old) != _content(new):
             out.append(f"the input changed ({describe_input_change(old, new)})")
+        elif part == "model" and _older_fingerprint(old, new):
+            out.append(
+                "the model's fingerprint was recorded by an older batchgen, which did not "
+                f"record its {' and '.join(sorted(set(new) - set(old)))}: if the model is the "
+                "same, --force-resume keeps the earlier rows"
+            )
         elif part == "model" and _content(old) != _content(new):
             out.append(f"the model changed ({_model_change(old, new)})")
     return out
@@ -85,6 +91,12 @@ def describe_input_change(old: dict[str, Any] | None, new: dict[str, Any] | None
         verb = "added" if len(b) > len(a) else "gone"
         return f"{len(names)} file(s) {verb}: {names[0]!r}{' ...' if len(names) > 1 else ''}"
     return "its fingerprint differs"
+
+
+def _older_fingerprint(old: Any, new: Any) -> bool:
+    """The earlier run's model fingerprint lacks a part this batchgen records (its digests
+    cannot be compared: the model may be the same)."""
+    return isinstance(old, dict) and isinstance(new, dict) and bool(set(new) - set(old))
 
 
 def _model_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
