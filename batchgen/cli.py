@@ -125,7 +125,8 @@ def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> 
     values = {
         key: shortcuts[name] for name, key in SHORTCUTS.items() if shortcuts.get(name) is not None
     }
-    return load_spec(job, list(sets), values)
+    options = {key: "--" + name.replace("_", "-") for name, key in SHORTCUTS.items()}
+    return load_spec(job, list(sets), values, options)
 
 
 @click.group()
@@ -325,7 +326,9 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
     help="Folder for the timeline PNG and the trace (default: OUT_DIR/profile).",
 )
 @click.option("--run", "run_token", help="The run to report (default: the newest profiled one).")
-@click.option("--top", type=int, default=10, show_default=True, help="Largest gaps to list.")
+@click.option(
+    "--top", type=click.IntRange(min=0), default=10, show_default=True, help="Largest gaps to list."
+)
 @_guarded
 def report(out_dir: str, out: str | None, run_token: str | None, top: int) -> None:
     """Idle time per cause of a job run with --profile, its largest gaps, a timeline picture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
@@ -39,6 +39,12 @@ class PromptConfig:
                 f"prompt sources {given} are all set: give exactly one of "
                 f"{', '.join(PROMPT_SOURCES)}"
             )
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name.endswith("column")}
+        empty = [k for k, v in named.items() if v == ""] + ["passthrough"] * (
+            "" in self.passthrough
+        )
+        if empty:
+            raise ValueError(f"{empty[0]} is empty: give a column name (or leave it unset)")
         if self.truncate not in TRUNCATE:
             raise ValueError(f"truncate={self.truncate!r} is not allowed: use one of {TRUNCATE}")
         if self.template is not None and not template_fields(self.template):  # or malformed

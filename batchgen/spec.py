@@ -164,11 +164,15 @@ SECTIONS: dict[str, tuple[type, ...]] = {
 
 
 def load_spec(
-    path: str | Path | None, overrides: list[str] = (), values: dict[str, Any] | None = None
+    path: str | Path | None,
+    overrides: list[str] = (),
+    values: dict[str, Any] | None = None,
+    options: dict[str, str] | None = None,
 ) -> JobSpec:
     """Read a TOML job file (or none), apply `section.key=value` overrides (TOML values, as
     --set gives them), then `values` ({"section.key": value}, as the CLI's shortcut options
-    give them). A key given both ways is an error: which one was meant is not clear."""
+    give them; `options` names the option that gave each). A key given both ways is an
+    error: which one was meant is not clear."""
     table: dict[str, Any] = {}
     if path is not None:
         file = Path(path)
@@ -190,10 +194,9 @@ def load_spec(
         set_keys.append(apply_override(table, item))
     for key, value in (values or {}).items():
         if key in set_keys:
-            option = "--" + key.split(".", 1)[1].replace("_", "-")
+            option = (options or {}).get(key, "a shortcut option")
             raise BatchgenError(
-                f"{key} is given twice (--set {key}=... and a shortcut such as {option}): "
-                "give it once"
+                f"{key} is given twice (--set {key}=... and {option}): give it once"
             )
         section, _, name = key.partition(".")
         _section(table, section)[name] = value

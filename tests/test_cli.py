@@ -182,3 +182,25 @@ def test_validate_refuses_what_run_refuses_before_model_work(
     code, output = invoke("validate", *base, "--output", done, "--max-new-tokens", "3",
                           "--force-resume")  # fmt: skip
     assert code == 0, output
+
+
+def test_small_user_errors_are_one_line(tmp_path: Path, prompts: Path, monkeypatch) -> None:
+    """A shortcut and --set for one key name the option given; an empty column name, a
+    negative --top and an unusable BATCHGEN_HOME are refused (exit 2)."""
+    base = ["validate", "--input", str(prompts), "--output", str(tmp_path / "o")]
+    for option, key in (("--output", "output.dir"), ("--input", "input.path")):
+        code, output = invoke(*base, option, str(prompts), "--set", f"{key}='x'")
+        assert code == 2 and f"and {option})" in output, output
+    code, output = invoke(*base, "--template", "{prompt}", "--set", "prompt.template='{p}'")
+    assert code == 2 and "and --template)" in output, output
+    for extra in (["--prompt-column", ""], ["--set", "prompt.id_column=''"]):
+        code, output = invoke(*base, *extra)
+        assert code == 2 and "is empty: give a column name" in output, output
+    code, output = invoke("report", str(tmp_path), "--top", "-1")
+    assert code == 2 and "-1 is not in the range" in output
+    home = tmp_path / "home-is-a-file"
+    home.write_text("x")
+    monkeypatch.setenv("BATCHGEN_HOME", str(home))
+    for args in (["model", "build-default"], ["run", "--input", str(prompts), "--output", "o"]):
+        code, output = invoke(*args)
+        assert code == 2 and "set BATCHGEN_HOME to a writable folder" in output, output

@@ -44,6 +44,7 @@ from transformers.models.qwen2.tokenization_qwen2 import (
     PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX,
 )
 
+from batchgen.errors import BatchgenError
 from batchgen.home import models_dir
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "assets" / "corpus.txt"
@@ -276,6 +277,13 @@ def build_tiny_model(
 def default_model_path() -> Path:
     """The embedded default model folder, built deterministically on first call."""
     folder = models_dir() / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
-    return build_tiny_model(
-        folder, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED, **asdict(DEFAULT_MODEL_SHAPE)
-    )
+    try:
+        return build_tiny_model(
+            folder, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED, **asdict(DEFAULT_MODEL_SHAPE)
+        )
+    except OSError as exc:  # $BATCHGEN_HOME is a file, read-only, full...
+        reason = exc.strerror or type(exc).__name__
+        raise BatchgenError(
+            f"cannot build the embedded default model in '{folder}' ({reason}): set "
+            "BATCHGEN_HOME to a writable folder"
+        ) from exc
