@@ -533,7 +533,7 @@ def test_resume_with_a_changed_spec_is_refused(model_dir, tmp_path: Path) -> Non
     again = run_job(
         spec_for(model, inp, out, "sampling.max_new_tokens=3", "runtime.max_num_seqs=4")
     )  # runtime changes are allowed
-    assert again.complete and again.summary.rows_ok == 0
+    assert again.complete and again.summary.run_rows_ok == 0
     forced = run_job(
         spec_for(model, inp, out, "sampling.max_new_tokens=3", "sampling.temperature=0.5"),
         force_resume=True,
