@@ -284,7 +284,7 @@ def test_a_damaged_shard_is_regenerated_exactly(job, tmp_path: Path, fmt: str) -
     shards[2].unlink()  # deleted
     (out / f"results.{fmt}").unlink()
     result = job(*sets, "output.shard_rows=3")
-    assert result.complete and result.summary.rows_ok == 6
+    assert result.complete and result.summary.run_rows_ok == 6 and result.summary.rows_ok == 12
     rows = read_rows(out)
     assert [r["id"] for r in rows] == [f"u{i}" for i in range(12)]
     assert {r["id"]: r["text"] for r in rows} == expected
