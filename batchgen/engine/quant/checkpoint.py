@@ -37,6 +37,7 @@ SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", 
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
 MODELOPT_FILE = "hf_quant_config.json"  # NVIDIA TensorRT Model Optimizer's quantization
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of 16/32/64-bit floats
 E4M3 = "F8_E4M3"
@@ -140,6 +141,8 @@ def safetensors_dtypes(folder: Path) -> dict[str, str]:
         try:
             with file.open("rb") as f:
                 size = int.from_bytes(f.read(8), "little")
+                if not 0 < size <= min(MAX_HEADER_BYTES, file.stat().st_size - 8):
+                    continue  # not a safetensors file: from_pretrained says what is wrong
                 header = json.loads(f.read(size))
         except (OSError, ValueError):
             continue  # from_pretrained says what is wrong with the file
