@@ -54,7 +54,6 @@ from batchgen.io.layout import OUTPUT_FORMATS
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_access, check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
-from batchgen.io.writer import warm_encoders
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RowShare
@@ -201,10 +200,6 @@ def run_job(
     """
     note = note or _to_stderr
     started = time.perf_counter()
-    warming = threading.Thread(
-        target=warm_encoders, args=(spec.output.format,), name="batchgen-warm-writer", daemon=True
-    )
-    warming.start()  # beside the checks; done before the job's clock starts
     source = check_job(spec, source)
     if engine is None:
         resolve_model_path(spec.model.path)  # a missing model folder fails before any output
@@ -212,7 +207,6 @@ def run_job(
     with output_lock(layout) as lock:
         previous, current = check_output_dir(spec, layout, source, force_resume)
         startup = {} if process_s is None else {"process": process_s}
-        warming.join()
         startup["checks"] = round(time.perf_counter() - started, 3)
         owned = engine is None
         if owned:

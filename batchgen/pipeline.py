@@ -19,6 +19,7 @@ from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import RequestOutput, TokenLogprobs
 from batchgen.io import RawRow, ShardWriter
 from batchgen.io.output_schema import OutputRow, RowCounts
+from batchgen.io.writer import warm_encoders
 from batchgen.prompts import RowPrompt
 from batchgen.row_share import ALONE, RankRows
 from batchgen.tokenizer_pool import TokenizerPool
@@ -208,6 +209,10 @@ class Consumer(threading.Thread):
 
     def run(self) -> None:
         try:
+            # pyarrow's first-use imports: while the first rows are generated (not inside the
+            # first commit), and after the start-up's imports on the main thread, not beside
+            # them (two threads importing at once is where one start was seen to hang)
+            warm_encoders(self.writer.format)
             ended = False
             while not ended:
                 try:
