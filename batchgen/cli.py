@@ -173,6 +173,10 @@ def run(
         from batchgen.launch import launch
 
         sys.exit(launch(gpus, sys.argv[1:]))
+    if os.environ.get(LAUNCHED):
+        from batchgen.launch import watch_launcher
+
+        watch_launcher()
     lead = place is None or place.rank == 0  # the rank that reports the job
     if place is not None:  # before torch loads: its C++ warnings (a peer's closed socket,
         # with a stack) would bury the line that says which rank stopped; =WARNING shows them

@@ -8,7 +8,9 @@ SIGINT or SIGTERM this process gets is passed on to every rank once, so Ctrl-C s
 and a second Ctrl-C aborts it, as for one process. A rank that exits with an error stops the
 others through the heartbeat; a rank killed by a signal is not heard from, so the others are
 sent SIGTERM at once (they commit and exit). Any rank still running GRACE_S later is sent
-SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank 0's.
+SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank 0's. A rank whose launcher
+dies (SIGKILL, which it cannot pass on) sends itself SIGTERM (`watch_launcher`): it commits and
+exits instead of running on unattended, holding the output directory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -26,6 +29,8 @@ from batchgen.distributed import LAUNCHED
 
 GRACE_S = 30.0  # how long ranks may take to stop on their own once one has failed
 POLL_S = 0.1
+LAUNCHER_PID = "BATCHGEN_LAUNCHER_PID"  # the launcher's pid, in each rank's environment
+WATCH_S = 0.5  # how often a rank looks for its launcher
 
 
 def launch(ranks: int, argv: list[str]) -> int:
@@ -37,6 +42,7 @@ def launch(ranks: int, argv: list[str]) -> int:
         "WORLD_SIZE": str(ranks),
         "LOCAL_WORLD_SIZE": str(ranks),
         LAUNCHED: "1",
+        LAUNCHER_PID: str(os.getpid()),
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = [
@@ -60,6 +66,21 @@ def launch(ranks: int, argv: list[str]) -> int:
         _signal_all(procs, signal.SIGKILL)
     code = procs[0].returncode
     return 128 - code if code < 0 else code
+
+
+def watch_launcher() -> None:
+    """In a rank this launcher started: SIGTERM to itself once the launcher is gone (its parent
+    is no longer the launcher), from a daemon thread."""
+    launcher = int(os.environ.get(LAUNCHER_PID, "0"))
+    if not launcher:
+        return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="batchgen-launcher-watch", daemon=True).start()
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> None:

@@ -234,3 +234,52 @@ def test_a_rank_takes_its_share_of_the_cpu_and_no_pinned_gpu(monkeypatch):
     assert config.device == "cpu" and config.cpu_threads == max(1, cores // 2 - 1)
     with pytest.raises(BatchgenError, match="puts every rank of this machine on one GPU"):
         engine_config(EngineConfig(device="cuda:0"), Place(1, 2, 1, 2))
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids of a process's children (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it has just exited
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ranks_whose_launcher_is_killed_stop_and_the_job_resumes(job, tmp_path, started):
+    """SIGKILL of `batchgen run --gpus 2` (which cannot pass it on): its ranks stop on their
+    own (they commit and exit) instead of running on unattended, holding the output
+    directory; the same command then finishes the job, every row once."""
+    out = tmp_path / "out"
+    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
+    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]  # 60x the tokens
+    launcher = start(started, [*cmd, "--gpus", "2"], **env())
+    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
+    while not (shards_of(out, 0) and shards_of(out, 1)):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the ranks never committed"
+        time.sleep(0.02)
+    ranks = children_of(launcher.pid)
+    assert len(ranks) == 2
+    launcher.kill()
+    launcher.wait()
+    while not all(gone(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "the ranks never stopped"
+        time.sleep(0.05)
+    assert not (out / "results.parquet").exists(), "the ranks ran on without their launcher"
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(results(out)) == ROWS
