@@ -156,14 +156,7 @@ def _generate(
     summary = (
         outcome.summary
         if outcome is not None  # else this rank's own counts: no rank has the job's
-        else _summary(
-            beat.progress(),
-            started,
-            len(plan.done),
-            _known_counts(plan, beat),
-            plan.resuming,
-            beat.world,
-        )
+        else _own_summary(plan, beat, started)
     )
     if why is not None and why.failure is not None:
         if why.failure.user:
@@ -175,6 +168,12 @@ def _generate(
     if why is not None and why.rank != group.rank:
         return JobResult(summary, interrupted=False, stopped_by=why.why)
     return JobResult(summary, interrupted=stop.is_set() and not summary.complete)
+
+
+def _own_summary(plan: Plan, beat: Heartbeat, started: float) -> JobSummary:
+    """This rank's own counts as a summary (where no rank has the job's)."""
+    counts = _known_counts(plan, beat)
+    return _summary(beat.progress(), started, len(plan.done), counts, plan.resuming, beat.world)
 
 
 def _end_on_rank0(
@@ -199,14 +198,7 @@ def _end_on_rank0(
         files = write_results(spec, layout, tokenizer) if final else None
     except Exception as exc:
         failed = Stop(0, "rank 0 failed", Failure.of(exc))
-        mine = _summary(
-            beat.progress(),
-            started,
-            len(plan.done),
-            _known_counts(plan, beat),
-            plan.resuming,
-            beat.world,
-        )
+        mine = _own_summary(plan, beat, started)
         beat.publish_outcome(Outcome(mine, failed))
         raise
     done = total([ends[k].progress if k in ends else beat.last[k] for k in range(beat.world)])
