@@ -312,6 +312,21 @@ def test_a_pattern_the_check_cannot_read_is_refused_before_any_output(
     assert output_check.unchecked_problem(GrammarSpec("json_schema", json.dumps(const))) is None
 
 
+def test_the_pattern_check_leaves_the_warning_filters_alone(monkeypatch) -> None:
+    """It runs on the compile thread beside the engine's: changing warnings' filters (the
+    whole process's) would turn other threads' warnings into exceptions."""
+    import warnings
+
+    def touched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the pattern check changed the process's warning filters")
+
+    for name in ("catch_warnings", "simplefilter", "filterwarnings", "resetwarnings"):
+        monkeypatch.setattr(warnings, name, touched)
+    for pattern, refused in (("^[[:digit:]]{2}$", True), ("[a-z--b]", True), ("^[a-z]+$", False)):
+        spec = GrammarSpec("json_schema", json.dumps({"type": "string", "pattern": pattern}))
+        assert (output_check.unchecked_problem(spec) is not None) is refused, pattern
+
+
 def test_numbers_are_checked_exactly() -> None:
     """4.94 is a multiple of 0.01 (4.94 / 0.01 is 494.00000000000006 in binary floats)."""
     cents = GrammarSpec("json_schema", json.dumps({"type": "number", "multipleOf": 0.01}))
