@@ -47,10 +47,19 @@ class PromptConfig:
             raise ValueError(f"{empty[0]} is empty: give a column name (or leave it unset)")
         if self.truncate not in TRUNCATE:
             raise ValueError(f"truncate={self.truncate!r} is not allowed: use one of {TRUNCATE}")
-        if self.template is not None and not template_fields(self.template):  # or malformed
+        per_row = (
+            self.seed_column,
+            self.temperature_column,
+            self.max_new_tokens_column,
+            self.json_schema_column,
+            self.sampling_column,
+        )
+        fixed = self.template is not None and not template_fields(self.template)  # or malformed
+        if fixed and all(column is None for column in per_row):
             raise ValueError(
-                f"template {self.template!r} names no column ({{column}}): every row would "
-                "get the same prompt"
+                f"template {self.template!r} names no column ({{column}}) and no per-row "
+                "setting (seed_column, sampling_column, ...) is given: every row would get the "
+                "same prompt and settings"
             )
         object.__setattr__(self, "passthrough", tuple(self.passthrough))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import math
 import os
 import tomllib
@@ -243,28 +244,50 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
             values[key] = os.path.normpath(joined)
 
 
-TOML_OPENERS = ('"', "'", "[", "{")  # a --set value starting so is TOML, never a bare word
-
-
 def apply_override(table: dict[str, Any], item: str) -> str:
     """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
         raise BatchgenError(f"--set {item!r}: use section.key=value, e.g. sampling.temperature=0.7")
+    section, name = section.strip(), name.strip()
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        if raw.lstrip().startswith(TOML_OPENERS):  # meant as TOML: not taken as raw text
-            raise BatchgenError(
-                f"--set {item!r}: the value is not valid TOML ({_reason(exc)}): quote each string, "
-                "in single quotes to keep backslashes, e.g. sampling.stop=['END', 'STOP'] "
-                "or sampling.regex='\\d+'"
-            ) from exc
-        value = raw  # a bare word is a string
-    section, name = section.strip(), name.strip()
+        value = _untyped_value(item, raw, _takes_text(section, name), exc)
     _section(table, section)[name] = value
     return f"{section}.{name}"
+
+
+def _untyped_value(item: str, raw: str, text: bool, exc: tomllib.TOMLDecodeError) -> Any:
+    """A --set value that is not TOML: a bare word is text; one that opens a list or a table
+    is JSON where it parses as JSON, else text where the key takes text (a template such as
+    "{question}" or "[INST] {q}"); one that opens a quote, or a list or table for a key that
+    takes none, was meant as TOML and is refused (it would be kept with its brackets)."""
+    start = raw.lstrip()[:1]
+    if start in ("[", "{"):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            if text:
+                return raw
+    elif start not in ('"', "'"):
+        return raw  # a bare word is a string
+    raise BatchgenError(
+        f"--set {item!r}: the value is not valid TOML ({_reason(exc)}): quote each string, "
+        "in single quotes to keep backslashes, e.g. sampling.stop=['END', 'STOP'] "
+        "or sampling.regex='\\d+'"
+    ) from exc
+
+
+def _takes_text(section: str, name: str) -> bool:
+    """Whether the key's field is text (its annotation a str, not a list of them)."""
+    for cls in SECTIONS.get(section, ()):
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                kind = str(f.type)
+                return "str" in kind and not any(t in kind for t in ("tuple", "list", "["))
+    return False
 
 
 def _reason(exc: tomllib.TOMLDecodeError) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from batchgen import BatchgenError
@@ -34,11 +36,30 @@ def test_a_bare_word_set_value_is_a_string() -> None:
     assert spec.sampling.stop == ("[a", "{b") and spec.sampling.regex == "\\d+"
 
 
+def test_text_and_json_that_open_a_bracket_are_taken_as_given() -> None:
+    """A key that takes text keeps a value opening with a bracket ({question}, [INST]); a JSON
+    value (a schema written as JSON) is read as JSON."""
+    sets = [
+        "prompt.template=[INST] {prompt} [/INST]",
+        'sampling.json_schema={"type": "object"}',
+        'sampling.stop=["a", "b"]',
+    ]
+    spec = load_spec(None, [*BASE, *sets])
+    assert spec.prompt.template == "[INST] {prompt} [/INST]"
+    assert json.loads(spec.sampling.json_schema) == {"type": "object"}
+    assert spec.sampling.stop == ("a", "b")
+    spec = load_spec(None, [*BASE, "prompt.template={prompt}"])
+    assert spec.prompt.template == "{prompt}"
+
+
 @pytest.mark.parametrize("template", ["Summarize: {{prompt}}", "", "just text"])
 def test_a_template_that_names_no_column_is_refused(template: str) -> None:
     """Every row would get the same prompt."""
     with pytest.raises(BatchgenError, match="names no column"):
         load_spec(None, BASE, {"prompt.template": template})
+    if template:  # one fixed prompt, each row with its own seed: many samples, all different
+        spec = load_spec(None, [*BASE, "prompt.seed_column='seed'"], {"prompt.template": template})
+        assert spec.prompt.template == template
 
 
 @pytest.mark.parametrize(
