@@ -492,6 +492,20 @@ def test_a_folder_missing_weights_is_refused(model_dir, tmp_path, name: str) -> 
     load_model(tied, cpu, torch.float32)
 
 
+def test_a_16_bit_folder_with_leftover_tensors_loads(model_dir, tmp_path) -> None:
+    """Buffers an older transformers saved (GPT-2's masked_bias, say), which the model no
+    longer takes, are ignored, as transformers ignores them; only an FP8 folder's are refused."""
+    from batchgen.engine.preload import Preload
+
+    cpu = torch.device("cpu")
+    plain = _copy_folder(model_dir("llama"), tmp_path / "plain")
+    _add_tensors(plain, {"model.layers.0.self_attn.masked_bias": torch.tensor(-1e4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_model(plain, cpu, torch.float32)
+        load_model(plain, cpu, torch.float32, preload=Preload(str(plain), cpu))
+
+
 def test_an_fp8_folder_with_tensors_the_model_does_not_take_is_refused(model_dir, tmp_path):
     """Static activation and KV scales are not used (activations are scaled per token);
     any other tensor the model does not take is refused."""

@@ -268,11 +268,13 @@ def _check_stored_types(source: str, dtypes: dict[str, str]) -> None:
 
 
 def check_loading_info(
-    source: str, model: nn.Module, info: dict[str, Any], consumed: tuple[str, ...] = ()
+    source: str, model: nn.Module, info: dict[str, Any], consumed: tuple[str, ...] | None = None
 ) -> None:
     """BatchgenError where from_pretrained left weights of the model uninitialized (random),
-    or where the folder holds tensors the model does not take, other than those ending in
-    one of `consumed` (read or deliberately ignored by the caller)."""
+    or, for an FP8 folder (`consumed` given), where it holds tensors the model does not take,
+    other than those ending in one of `consumed` (read or deliberately ignored by the caller).
+    A 16-bit folder's leftovers (buffers older transformers saved, such as GPT-2's
+    masked_bias) are ignored, as transformers ignores them."""
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise BatchgenError(
@@ -280,6 +282,8 @@ def check_loading_info(
             f"needs ({_names(missing)}): they would be random; check the model folder (an "
             "incomplete download or a conversion that dropped them)"
         )
+    if consumed is None:
+        return
     unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.endswith(consumed))
     if unexpected:
         raise BatchgenError(
