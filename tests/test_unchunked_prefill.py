@@ -62,3 +62,12 @@ def test_the_cli_refuses_an_unchunked_budget_below_the_context(model_dir, tmp_pa
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "max_num_batched_tokens (48)" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unset_budget_holds_the_context_without_chunking(model_dir) -> None:
+    """As vLLM: with chunked prefill off and no budget given, a step holds a whole sequence
+    (the default budget, 8,192 on a CPU, is raised to a longer context), not refused."""
+    long = model_dir("llama", max_position_embeddings=12288)
+    engine = Engine(long, _config(num_kv_blocks=64))
+    assert engine.config.max_num_batched_tokens == engine.max_model_len == 12288
+    engine.close()

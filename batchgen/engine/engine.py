@@ -136,6 +136,8 @@ class Engine:
         budget = token_budget(
             self.config, self.device, spare, activation_bytes_per_token(self.model, self.dtype)
         )
+        if self.config.max_num_batched_tokens is None and not self.config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)  # unset: a whole sequence fits, as vLLM
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=budget)
         check_prefill_budget(self.config, self.max_model_len)
         self.runner = ModelRunner(
