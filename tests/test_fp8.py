@@ -818,3 +818,27 @@ def test_fp8_rows_from_the_norms_change_no_token(model_dir, monkeypatch) -> None
     monkeypatch.setattr(fusion, "FEEDS", ())
     with Engine(path, config) as engine:
         assert _greedy(engine, prompts) == with_rows
+
+
+def test_a_hub_model_in_a_refused_quantization_is_refused_before_its_weights_download(
+    tmp_path, monkeypatch
+) -> None:
+    """Its config.json says GPTQ: refused once that file is had, no weight file fetched."""
+    import huggingface_hub
+
+    from batchgen.engine.quant.checkpoint import checkpoint_folder
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (snapshot / "config.json").write_text(json.dumps(config))
+    asked: list[list[str]] = []
+
+    def fake_download(repo_id: str, allow_patterns: list[str], **kwargs: object) -> str:
+        asked.append(list(allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    with pytest.raises(BatchgenError, match="gptq"):
+        checkpoint_folder("org/model-gptq")
+    assert asked == [["*.json"]]

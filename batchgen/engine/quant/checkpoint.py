@@ -56,10 +56,16 @@ def checkpoint_folder(source: str) -> str:
 
         folder = Path(snapshot_download(source, allow_patterns=["*.json"]))
         config = json.loads((folder / "config.json").read_text())
-        if isinstance(config, dict) and config.get("quantization_config"):
-            names = [f.name for f in weight_files(folder)] or [SINGLE_FILE]
-            folder = Path(snapshot_download(source, allow_patterns=["*.json", *names]))
+        quant = config.get("quantization_config") if isinstance(config, dict) else None
     except Exception:  # not a hub id, offline and not cached, no config: from_pretrained says
+        return source
+    if not quant:
+        return str(folder)
+    quantization_format(quant, source)  # a quantization batchgen refuses: before any weights
+    try:
+        names = [f.name for f in weight_files(folder)] or [SINGLE_FILE]
+        folder = Path(snapshot_download(source, allow_patterns=["*.json", *names]))
+    except Exception:
         return source
     return str(folder)
 
