@@ -321,14 +321,20 @@ def _run(
 
 
 def check_output_dir(
-    spec: JobSpec, layout: OutputLayout, source: InputSource, force: bool
+    spec: JobSpec,
+    layout: OutputLayout,
+    source: InputSource,
+    force: bool,
+    new_needs_input: bool = True,
 ) -> tuple[Manifest | None, dict[str, Any]]:
     """Whether the output directory takes this job, as far as is known before the model
-    loads (reads only) -> (the earlier run's manifest, the job's identity so far)."""
+    loads (reads only) -> (the earlier run's manifest, the job's identity so far). The input's
+    fingerprint (a hash of its files) is taken for a new directory only if new_needs_input
+    (a run records it; a check alone does not need it)."""
     previous = previous_run(layout, force)
     current = {
         "settings": result_settings(spec, None),
-        "input": source.fingerprint(),
+        "input": source.fingerprint() if previous is not None or new_needs_input else None,
         "model": None,
     }
     check_resumable(layout, previous, current, ("settings", "input"), force)
@@ -343,7 +349,7 @@ def check_output_dir_before_lock(spec: JobSpec, source: InputSource, force: bool
         check_output_access(layout.dir)  # a probe object: a store's permissions show no other way
     else:
         check_directory_writable(layout.dir)
-    check_output_dir(spec, layout, source, force)
+    check_output_dir(spec, layout, source, force, new_needs_input=False)
 
 
 def check_model_before_load(spec: JobSpec) -> None:

@@ -204,3 +204,22 @@ def test_small_user_errors_are_one_line(tmp_path: Path, prompts: Path, monkeypat
     for args in (["model", "build-default"], ["run", "--input", str(prompts), "--output", "o"]):
         code, output = invoke(*args)
         assert code == 2 and "set BATCHGEN_HOME to a writable folder" in output, output
+
+
+def test_validate_does_not_hash_the_input_for_a_new_output(tmp_path: Path, monkeypatch) -> None:
+    """A fingerprint (a hash of every input file) matters only against an earlier run's: a
+    check of a new output directory does not read a large input whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import batchgen.io.readers as readers
+
+    pq.write_table(pa.table({"prompt": ["hi", "there"]}), tmp_path / "in.parquet")
+
+    def hashed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the input was hashed")
+
+    monkeypatch.setattr(readers, "fingerprint_files", hashed)
+    args = ["validate", "--model", "default", "--input", str(tmp_path / "in.parquet")]
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
