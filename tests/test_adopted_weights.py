@@ -97,3 +97,23 @@ def test_replaced_weights_are_refused_where_graphs_hold_the_old_ones(model_dir) 
         finally:
             engine.runner.graphs = None
         assert _tokens(engine) == _fresh(model)  # without graphs: runs on the new tensors
+
+
+def test_a_checkpoint_of_the_old_weights_is_not_resumed_after_a_change(
+    model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A Generator's checkpoint_dir holds rows of the weights they were made with: after a
+    training step the same directory is refused as another model's, not handed back."""
+    datasets = pytest.importorskip("datasets")
+    path = model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ds = datasets.Dataset.from_dict({"prompt": ["The cat sat on", "Once upon a time"]})
+    sampling = {"max_new_tokens": 6}
+    with Generator(model, _config(), tokenizer=tokenizer) as gen:
+        gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "ck", progress=False)
+        _train_step(model)
+        with pytest.raises(BatchgenError, match="the model changed"):
+            gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "ck", progress=False)
+        fresh = gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "new", progress=False)
+    assert len(fresh["text"]) == 2

@@ -119,7 +119,7 @@ class Engine:
         clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         # what decides outputs besides the settings (checked when a job resumes)
-        self.fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids)
+        self._fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids)
         self.shape = model_shape(self.model)
         clock.mark("shape")
         limit = self.shape.max_position_embeddings
@@ -255,6 +255,13 @@ class Engine:
             if self._weights is not None and weights_version(self.model) != self._weights:
                 self.reset_prefix_cache()  # changed while it ran: the next call checks how
 
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        """What decides outputs besides the settings (model_fingerprint); for a caller's
+        model, that of its weights as they are now (a job resumes only on the same)."""
+        self._drop_stale_prefixes()
+        return self._fingerprint
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block, so later prompts compute their KV again: for a
         model changed in a way generate cannot see (through `.data`). Blocks that running
@@ -278,6 +285,7 @@ class Engine:
             )
         self._weights = now
         self.reset_prefix_cache()
+        self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.eos_token_ids)
 
     def add_request(
         self, prompt: PromptLike, params: SamplingParams, default_id: str
