@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen.engine.attention.select import check_backend
@@ -64,6 +63,7 @@ from batchgen.tokenizer_pool import TokenizerPool, row_hash
 
 if TYPE_CHECKING:  # an engine in this process is imported only when the job makes one
     from batchgen.engine.engine import Engine
+    from batchgen.io.writer import Columns
 
 IDLE_WAIT_S = 0.05  # how long the engine thread waits for a prompt when it runs nothing
 
@@ -121,7 +121,7 @@ def check_job(spec: JobSpec, source: InputSource | None = None) -> InputSource:
     return source
 
 
-def job_columns(spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
+def job_columns(spec: JobSpec, source: InputSource) -> Columns:
     """The job's fixed output columns: batchgen's own, then the pass-through ones."""
     fmt = input_format(spec.input.format)
     own = output_columns(
@@ -272,7 +272,7 @@ def _run(
     engine: Engine,
     layout: OutputLayout,
     committed: Committed,
-    columns: dict[str, pa.DataType | None],
+    columns: Columns,
     stop: threading.Event | None,
     hooks: Hooks,
     resuming: bool,
@@ -477,7 +477,7 @@ def run_pipeline(
     engine: Engine,
     layout: OutputLayout,
     done: set[int],
-    columns: dict[str, pa.DataType | None],
+    columns: Columns,
     stop: threading.Event,
     hooks: Hooks,
     on_row: Any,

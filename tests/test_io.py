@@ -19,6 +19,9 @@ from batchgen.io import InputConfig, OutputConfig, OutputLayout, RawRow, ShardWr
 from batchgen.io.checkpoint import remove_temp_files, scan_committed
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import BASE
+from batchgen.io.writer import MayNotFit
+from batchgen.job import job_columns
+from batchgen.spec import load_spec
 
 STAMP = datetime(2024, 1, 1, 12, 0, 0, 654321)
 
@@ -498,6 +501,14 @@ def test_parquet_files_with_different_types_declare_a_common_one(tmp_path: Path)
     assert source.types["meta"] == pa.struct([("a", pa.int64()), ("b", pa.string())])
     assert source.types["ts"] == pa.timestamp("us")
     assert "tag" not in source.types  # int and text have no common type: inferred per shard
+    assert source.promoted == {"score", "meta", "ts"}  # the writer checks each value against these
+    single = open_input(InputConfig(str(tmp_path / "part-0.parquet")))
+    assert single.types["score"] == pa.int64() and single.promoted == frozenset()
+    paths = {"input.path": str(tmp_path), "output.dir": str(tmp_path / "out")}
+    spec = load_spec(None, values={**paths, "prompt.passthrough": ["score", "tag"]})
+    columns = job_columns(spec, source)
+    assert columns["score"] == MayNotFit(pa.float64()) and columns["tag"] is None
+    assert job_columns(spec, single)["score"] == pa.int64()
     rows = [r.values for b in source.batches() for r in b]
     assert rows[1] == {"score": 1.5, "meta": {"a": 3, "b": "kept"}, "ts": STAMP, "tag": "seven"}
 
@@ -505,7 +516,7 @@ def test_parquet_files_with_different_types_declare_a_common_one(tmp_path: Path)
 def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> None:
     """A value the declared type would change (cut, round, drop keys of) is stored in the
     type its values infer to instead; values that fit keep the declared type."""
-    declared = {name: first[0] for name, first, _ in MIXED}
+    declared = {name: MayNotFit(first[0]) for name, first, _ in MIXED}
     values = {name: [*first[1][:1], *second[1][:1]] for name, first, second in MIXED}
     writer = ShardWriter(OutputLayout(tmp_path), "parquet", {**BASE, **declared}, 10, 3600)
     writer.add_group(
@@ -521,7 +532,7 @@ def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> N
     for name, got in values.items():
         assert first.column(name).to_pylist() == got, name
     assert second.schema.field("score").type == pa.int64()
-    assert second.schema.field("meta").type == declared["meta"]
+    assert second.schema.field("meta").type == declared["meta"].type
     assert second.to_pylist()[0] == {**dict.fromkeys(BASE), **fitting}
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import pyarrow as pa
-
 from batchgen.io import InputSource, OutputLayout
 from batchgen.prompts import RowPrompt
 
 if TYPE_CHECKING:
+    from batchgen.io.writer import Columns
     from batchgen.spec import JobSpec
 
 
@@ -46,7 +45,7 @@ class InputFormat(Protocol):
 
     def id_column(self, spec: JobSpec) -> str | None: ...
 
-    def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
+    def passthrough(self, spec: JobSpec, source: InputSource) -> Columns:
         """Columns copied from the input into every output row, with their types."""
 
     def may_ask_logprobs(self, spec: JobSpec) -> bool: ...

@@ -13,6 +13,7 @@ from batchgen.io import InputSource, OutputLayout, open_input
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import RESERVED
 from batchgen.io.readers import OPENAI_BATCH
+from batchgen.io.writer import Columns, MayNotFit
 from batchgen.prompts import PromptBuilder
 
 if TYPE_CHECKING:
@@ -73,8 +74,12 @@ class RowsFormat:
                 f"that key{seen if source.columns else ''}: {fix}"
             )
 
-    def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
-        return {name: source.types.get(name) for name in spec.prompt.passthrough}
+    def passthrough(self, spec: JobSpec, source: InputSource) -> Columns:
+        declared = {name: source.types.get(name) for name in spec.prompt.passthrough}
+        return {
+            name: MayNotFit(kind) if kind is not None and name in source.promoted else kind
+            for name, kind in declared.items()
+        }
 
     def may_ask_logprobs(self, spec: JobSpec) -> bool:
         return spec.sampling.logprobs is not None or spec.prompt.sampling_column is not None

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from batchgen.io.writer import Columns
 
 KEY_COLUMNS = ("index", "sample_index")  # one output row per (input index, sample index)
 INPUT_HASH = "input_hash"  # shards only: the hash of the input row (sources without a fingerprint)
@@ -113,9 +116,9 @@ def output_columns(*, logprobs: bool, token_ids: bool) -> dict[str, pa.DataType]
 
 def shard_schema(
     own: Mapping[str, pa.DataType],
-    passthrough: Mapping[str, pa.DataType | None],
+    passthrough: Columns,
     input_hash: bool,
-) -> dict[str, pa.DataType | None]:
+) -> Columns:
     """Column -> type of a shard (None = inferred from the values)."""
     return {**own, **passthrough, **({INPUT_HASH: pa.string()} if input_hash else {})}
 

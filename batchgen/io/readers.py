@@ -101,6 +101,8 @@ class InputSource:
     # a resume checks each committed row's hash instead
     fingerprint: Callable[[], Fingerprint | None] = field(repr=False, default=lambda: None)
     types: dict[str, pa.DataType] = field(default_factory=dict)  # declared column types
+    # declared types some values may not fit: Arrow's promotion of the files' disagreeing types
+    promoted: frozenset[str] = frozenset()
     files: tuple[Path, ...] = ()  # local files the input reads
     sampled: bool = False  # columns were read off the first rows (JSONL), not a schema
     # sampled: of the names given, those some row may have as a key (a pass over the files)
@@ -307,7 +309,8 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         config.batch_rows,
         reader,
         fingerprint=functools.cache(partial(fingerprint_files, files)),
-        types=_declared_types(types),
+        types=(declared := _declared_types(types)),
+        promoted=frozenset(name for name in declared if len(types[name]) > 1),
         files=tuple(path for path, _ in files),
         read_rank=partial(rank_reads.parquet_rank_rows, files, config.batch_rows),
     )
@@ -316,7 +319,7 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
 def _declared_types(types: dict[str, set[pa.DataType]]) -> dict[str, pa.DataType]:
     """Each column's type across files: its one type, or the type Arrow promotes the files'
     types to (int32 and int64: int64); a column whose types have none is left undeclared
-    (its values' types are inferred). The writer stores a value in a declared type only where
+    (its values' types are inferred). The writer stores a value in a promoted type only where
     it reads back unchanged."""
     declared = {}
     for name, kinds in types.items():

@@ -25,10 +25,23 @@ import pyarrow.parquet as pq
 from batchgen.errors import check_field
 from batchgen.io.atomic import fsync_dir, write_atomic
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
-from batchgen.io.output_schema import RESERVED
 
 Row = dict[str, Any]
-Columns = Mapping[str, pa.DataType | None]  # column -> type (None = inferred from the values)
+
+
+@dataclass(frozen=True)
+class MayNotFit:
+    """A pass-through column's declared type that some of its values may not fit: the type
+    Arrow promotes the input files' disagreeing types to (an int column in one file, a float
+    one in another). A shard stores the column in it only where every value reads back
+    unchanged, else in the values' inferred type. A plain declared type is the type the
+    values were read from (or batchgen's own): stored in it without that check."""
+
+    type: pa.DataType
+
+
+# column -> type (None = inferred from the values)
+Columns = Mapping[str, pa.DataType | MayNotFit | None]
 
 
 @dataclass(frozen=True)
@@ -192,19 +205,20 @@ def to_table(rows: list[Row], columns: Columns, undeclared_as_text: bool = False
         if type is None and undeclared_as_text:
             arrays[name] = pa.array([as_text(v) for v in values], type=pa.string())
         else:
-            arrays[name] = _to_array(values, type, name)
+            arrays[name] = _to_array(values, type)
     return pa.table(arrays)
 
 
-def _to_array(values: list[Any], type: pa.DataType | None, name: str = "") -> pa.Array:
-    """Values of a declared type, or Arrow's inferred type (text where it cannot unify). A
-    pass-through column keeps its declared type only if every value reads back unchanged
-    (Arrow would cut 1.5 to 1 in an int column, drop a struct's extra keys, round a time):
-    else its type is inferred, as for an undeclared column."""
-    if type is not None:
+def _to_array(values: list[Any], type: pa.DataType | MayNotFit | None) -> pa.Array:
+    """Values of their declared type, or Arrow's inferred type (text where it cannot unify).
+    A type that values may not fit (`MayNotFit`) is kept only if every value reads back
+    unchanged (Arrow would cut 1.5 to 1 in an int column, drop a struct's extra keys, round a
+    time): else the type is inferred, as for an undeclared column."""
+    declared = type.type if isinstance(type, MayNotFit) else type
+    if declared is not None:
         try:
-            array = pa.array(values, type=type)
-            if name in RESERVED or _holds(array, values):  # batchgen's own: built to its type
+            array = pa.array(values, type=declared)
+            if not isinstance(type, MayNotFit) or _holds(array, values):
                 return array
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
             pass  # a value the declared type cannot hold: infer, as for an undeclared column

@@ -20,6 +20,7 @@ from batchgen.prompts import PromptConfig
 from batchgen.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
+    from batchgen.io.writer import Columns
     from batchgen.spec import JobSpec
 
 
@@ -49,7 +50,7 @@ class OpenAIBatchFormat:
     def check_columns(self, spec: JobSpec, source: InputSource) -> None:
         return None  # every line is parsed into the same columns
 
-    def passthrough(self, spec: JobSpec, source: InputSource) -> dict[str, pa.DataType | None]:
+    def passthrough(self, spec: JobSpec, source: InputSource) -> Columns:
         return {name: pa.type_for_alias(alias) for name, alias in PASSTHROUGH_TYPES.items()}
 
     def may_ask_logprobs(self, spec: JobSpec) -> bool:
