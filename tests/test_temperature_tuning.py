@@ -80,3 +80,33 @@ def test_temperature_tuning_on_the_gpu_path(tuned_dir: Path) -> None:
     model = model.cuda().eval()
     for i, prompt in enumerate(prompts):
         assert_greedy_or_near_tie(model, prompt, outs[str(i)], i)
+
+
+def test_a_callers_own_forward_is_kept_and_rope_layers_are_left_alone(tuned_dir: Path) -> None:
+    """A caller's model whose attention modules carry a forward of their own (a hook set on
+    the instance, as accelerate sets): the engine's steps still run through it, and closing
+    the engine gives it back; layers that apply rotary embeddings (no tuning) are not wrapped."""
+    model = AutoModelForCausalLM.from_pretrained(tuned_dir, attn_implementation="eager").eval()
+    layers = [m for m in model.modules() if hasattr(m, "attn_temperature_tuning")]
+    calls: list[str] = []
+    hooks = {}
+    for i, module in enumerate(layers):
+        own = module.forward
+
+        def hooked(*args, _own=own, _i=i, **kwargs):
+            calls.append(str(_i))
+            return _own(*args, **kwargs)
+
+        module.forward = hooks[i] = hooked
+    prompt = random_prompts(1, 70, 70, VOCAB, seed=5)[0]
+    config = EngineConfig(device="cpu", dtype="float32")
+    with Engine(model, config) as engine:
+        tuned = [m for m in layers if m.__dict__.get("forward") is not hooks[layers.index(m)]]
+        assert tuned and all(not m.use_rope for m in tuned)  # only the NoPE layers are wrapped
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        (out,) = engine.generate([prompt], params)
+    assert set(calls) == {str(i) for i in range(len(layers))}  # every hook ran inside steps
+    assert all(m.__dict__.get("forward") is hooks[i] for i, m in enumerate(layers))
+    for module in layers:
+        del module.forward
+    assert out.output_token_ids == _generate(tuned_dir, prompt, 8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,11 +42,14 @@ class StepPositions:
 
 
 def tuned_attention(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules that tune their temperature by position."""
+    """The model's attention modules that tune their temperature by position: those with
+    tuning on that apply no rotary embedding (a layer whose `use_rope` is set never tunes)."""
     return [
         m
         for m in model.modules()
-        if getattr(m, "attn_temperature_tuning", False) is True and hasattr(m, "floor_scale")
+        if getattr(m, "attn_temperature_tuning", False) is True
+        and hasattr(m, "floor_scale")
+        and not getattr(m, "use_rope", False)
     ]
 
 
@@ -53,19 +57,25 @@ def position_tuned(modules: list[nn.Module]) -> Callable[[], None]:
     """Give each module a forward that tunes by real positions inside a step; -> the undo.
     BatchgenError for a module whose forward takes no cache (its scale cannot be given
     positions)."""
+    names = []
     for module in modules:
-        name = _cache_argument(module)
-        if name is None:
+        if (name := _cache_argument(module)) is None:
             raise BatchgenError(
                 f"batchgen cannot run {type(module).__name__} exactly: its attention "
                 "temperature tuning counts positions within each forward pass, and its forward "
                 "takes no cache to count them from"
             )
-        module.forward = _forward(module, name)
+        names.append(name)
+    kept = [module.__dict__.get("forward") for module in modules]  # a caller's own, or None
+    for module, name, own in zip(modules, names, kept, strict=True):
+        module.forward = _forward(module, name, own)
 
     def undo() -> None:
-        for module in modules:
-            module.__dict__.pop("forward", None)
+        for module, own in zip(modules, kept, strict=True):
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own
 
     return undo
 
@@ -75,16 +85,20 @@ def _cache_argument(module: nn.Module) -> str | None:
     return next((n for n in CACHE_ARGUMENTS if n in parameters), None)
 
 
-def _forward(module: nn.Module, cache_name: str) -> Callable[..., Any]:
-    own = type(module).forward
+def _forward(
+    module: nn.Module, cache_name: str, instance: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    """`instance`: a forward set on the module itself (a caller's hook), which then runs in
+    place of the class's."""
+    own = instance if instance is not None else partial(type(module).forward, module)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         meta = kwargs.get("batchgen_meta") or step_metadata()
         if meta is None or meta.positions is None or kwargs.get(cache_name) is not None:
-            return own(module, *args, **kwargs)  # outside a step: the module's own forward
+            return own(*args, **kwargs)  # outside a step: the module's own forward
         positions = meta.positions
         index = torch.arange(positions.shape[0], device=positions.device)
         kwargs[cache_name] = StepPositions(positions - index)
-        return own(module, *args, **kwargs)
+        return own(*args, **kwargs)
 
     return forward
