@@ -60,9 +60,10 @@ class BlockManager:
         return needed <= self.num_free_blocks - taken
 
     def allocate(self, request: Request, num_tokens: int, cached: Sequence[int] = ()) -> None:
-        """Grow request's table to cover num_tokens, starting from `cached` (cached_prefix's
-        answer, for an empty table); the caller checked can_allocate. Full prompt blocks in
-        [0, num_tokens) are cached: the caller schedules the step that writes them."""
+        """Grow request's table to cover num_tokens, starting from `cached` (for an empty table:
+        cached_prefix's answer, or prompt blocks another sample of the prompt holds); the
+        caller checked can_allocate. Full prompt blocks in [0, num_tokens) are cached: the
+        caller schedules the step that writes them."""
         if not self.can_allocate(request, num_tokens, cached):
             raise RuntimeError(f"allocate: {num_tokens} tokens do not fit")
         if cached:
@@ -77,12 +78,6 @@ class BlockManager:
         hashes = request.block_hashes
         if self.caching and (hashes is None or request.num_hashed_blocks < len(hashes)):
             self._cache_full_blocks(request, num_tokens)  # a decode skips this: all are seen
-
-    def share(self, source: Request, target: Request, num_blocks: int) -> None:
-        """target (with an empty table) starts with source's first num_blocks blocks."""
-        if target.block_table:
-            raise RuntimeError("share: the target already holds blocks")
-        self._attach(target, source.block_table[:num_blocks])
 
     def free(self, request: Request) -> None:
         """Drop request's references; the tail first, so its blocks leave the cache first."""

@@ -7,6 +7,7 @@ import functools
 import gc
 import hashlib
 import os
+import sys
 import time
 from array import array
 from collections.abc import Iterable, Iterator
@@ -224,6 +225,7 @@ class Engine:
         source = iter(prompts)
         position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
+        failure: BaseException | None = None
         try:
             while True:
                 pulls = max(PULL_MIN, self.config.max_num_seqs // PULL_SHARE)
@@ -250,10 +252,34 @@ class Engine:
                     yield self._with_text(out, decode, check_outputs)
                 if stopping:
                     return
+        except GeneratorExit:  # the caller stopped reading: no error of its own
+            raise
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            self._end_call(failure)
+
+    def _end_call(self, failure: BaseException | None) -> None:
+        """Drop what a generate call left unfinished (`failure`: the error ending it)."""
+        if not self._abort_all_after(failure) or self._weights is None:
+            return
+        if weights_version(self.model) != self._weights:
+            self.reset_prefix_cache()  # changed while it ran: the next call checks how
+
+    def _abort_all_after(self, failure: BaseException | None) -> bool:
+        """abort_all; when an error (`failure`) is on its way to the caller already, a second
+        one here is noted on it, not raised over it. -> whether abort_all succeeded."""
+        try:
             self.abort_all()
-            if self._weights is not None and weights_version(self.model) != self._weights:
-                self.reset_prefix_cache()  # changed while it ran: the next call checks how
+        except Exception as exc:
+            if failure is None:
+                raise
+            note = f"dropping the unfinished requests then failed too: {exc!r}"
+            if note not in getattr(failure, "__notes__", ()):
+                failure.add_note(note)
+            return False
+        return True
 
     @property
     def fingerprint(self) -> dict[str, str]:
@@ -460,7 +486,13 @@ class Engine:
         memory now: the KV cache, graphs and buffers, and the model this engine loaded."""
         if self.runner is None:
             return
-        self.abort_all()
+        try:  # in a `finally` or `with` that an error leaves, that error reaches the caller
+            self._abort_all_after(sys.exception())
+        finally:
+            self._free_resources()
+
+    def _free_resources(self) -> None:
+        """close() after its requests are dropped."""
         self.stops.close()
         if self.grammars is not None:
             self.grammars.close()

@@ -72,6 +72,8 @@ class Request:
     text: str | None = None  # output text cut at a stop string, once one matched
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     children: list[Request] = field(default_factory=list)  # samples waiting for this prompt
+    # the sample that prefilled this one's prompt (n > 1), whose blocks it may start from
+    prompt_source: Request | None = field(default=None, repr=False)
     grammar: Any = None  # GrammarState (engine/grammar.py) of a structured output, else None
 
     @functools.cached_property

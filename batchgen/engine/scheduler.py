@@ -40,6 +40,7 @@ class Scheduler:
     Scheduling a chunk advances request.num_computed_tokens at once and counts a sampled token
     as pending, so the next step can be planned before this one's tokens reach the host.
     A request admitted with a cached prefix starts after it: cached tokens cost no budget.
+    A waiting request holds no blocks: it takes shared ones only when it is admitted.
     """
 
     def __init__(
@@ -102,8 +103,8 @@ class Scheduler:
     def add_samples(self, first: Request, others: list[Request]) -> None:
         """n samples of one prompt: `first` prefills it; the others wait for that, then start
         from its prompt blocks (all but the block holding the last prompt token, which each
-        recomputes, so that no block is ever written by two requests): shared here, or found
-        in the prefix cache (which holds those blocks then) when they are admitted."""
+        recomputes, so that no block is ever written by two requests): found in the prefix
+        cache, or (caching off) shared from `first` if it still runs, when they are admitted."""
         self.add(first)
         first.children = others
         if others:  # _fork_ready walks these every step: only parents with samples to fork
@@ -117,13 +118,9 @@ class Scheduler:
             ):
                 continue  # its prompt is not fully scheduled yet
             self._parents.remove(parent)
-            shared = 0
-            if parent.status is Status.RUNNING and not self.blocks.caching:
-                shared = (parent.num_prompt_tokens - 1) // self.blocks.block_size
             for child in reversed(parent.children):
                 child.block_hashes = parent.block_hashes
-                self.blocks.share(parent, child, shared)
-                child.num_computed_tokens = shared * self.blocks.block_size
+                child.prompt_source = parent
                 self.waiting.appendleft(child)
             parent.children = []
 
@@ -176,8 +173,7 @@ class Scheduler:
         for request in itertools.islice(self.waiting, self.max_num_seqs - len(self.running)):
             if request.num_pending or total >= budget:
                 break
-            cached = len(self.blocks.cached_prefix(request)) * self.blocks.block_size
-            total += request.num_tokens - request.num_computed_tokens - cached
+            total += request.num_tokens - len(self._start_blocks(request)) * self.blocks.block_size
         return min(total, budget)
 
     def _admit_within(self, chunks: list[ScheduledChunk], budget: int) -> int:
@@ -185,21 +181,34 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:  # preempted with a token in flight: wait for its value
                 break
-            cached = self.blocks.cached_prefix(request)  # only for an empty table (computed 0)
-            start = request.num_computed_tokens + len(cached) * self.blocks.block_size
+            prefix = self._start_blocks(request)
+            start = len(prefix) * self.blocks.block_size
             size = self._chunk_size(request, budget, start)
-            if size == 0 or not self.blocks.can_allocate(request, start + size, cached):
+            if size == 0 or not self.blocks.can_allocate(request, start + size, prefix):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
             if not request.num_preemptions:
-                self._count_admission(request, start - request.num_computed_tokens)
+                self._count_admission(request, start if self.blocks.caching else 0)
             request.num_computed_tokens = start
-            chunks.append(self._take(request, size, admitted=True, cached=cached))
+            chunks.append(self._take(request, size, admitted=True, cached=prefix))
             budget -= size
         return budget
+
+    def _start_blocks(self, request: Request) -> list[int]:
+        """The blocks a waiting request starts from: its longest cached prompt prefix, or with
+        caching off, the full prompt blocks (short of the last prompt token's) that the sample
+        which prefilled its prompt holds and has scheduled, while that one runs. Taken only
+        now: a waiting request holds no blocks, which preemption could not reclaim."""
+        source = request.prompt_source
+        if self.blocks.caching or source is None:
+            return self.blocks.cached_prefix(request)
+        if source.status is not Status.RUNNING:
+            return []
+        usable = min(request.num_prompt_tokens - 1, source.num_computed_tokens)
+        return source.block_table[: usable // self.blocks.block_size]
 
     def _count_admission(self, request: Request, cached_tokens: int) -> None:
         stats = self.cache_stats
