@@ -71,3 +71,18 @@ def test_longrope_within_its_original_context_runs_exactly(longrope_dir: Path, o
     for i, prompt in enumerate(prompts):
         assert outs[str(i)].output_token_ids == hf_greedy(longrope_dir, prompt, limits[i]), i
     engine.close()
+
+
+def test_a_caller_longrope_model_keeps_its_cache_between_calls(longrope_dir: Path) -> None:
+    """LongRoPE writes its factors into inv_freq at every forward (a version bump, the same
+    values): the next call still finds its prompts cached, under the same fingerprint."""
+    model = AutoModelForCausalLM.from_pretrained(longrope_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(3, 40, 40, VOCAB, seed=2)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Engine(model, _config(max_model_len=ORIGINAL, block_size=8)) as engine:
+        first = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
+        fingerprint, stats = engine.fingerprint, engine.cache_stats
+        model(torch.tensor([prompts[0]]))  # the caller's own forward meanwhile
+        assert {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)} == first
+        assert (engine.cache_stats - stats).cached_tokens == 4 * 8 * len(prompts)
+        assert engine.fingerprint == fingerprint

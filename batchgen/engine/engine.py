@@ -28,6 +28,7 @@ from batchgen.engine.fingerprint import model_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.graphs import step_target
 from batchgen.engine.model_loader import (
+    WeightsVersion,
     activation_bytes_per_token,
     adopt_model,
     check_rope,
@@ -120,7 +121,7 @@ class Engine:
         clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         # what decides outputs besides the settings (checked when a job resumes)
-        self._fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids)
+        self._fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids, adopted)
         self.shape = model_shape(self.model)
         clock.mark("shape")
         limit = self.shape.max_position_embeddings
@@ -166,9 +167,9 @@ class Engine:
             self.scheduler.step_target = functools.partial(step_target, tuple(graphs.tokens))
         self._owns_model = not adopted
         # a caller's model may change between calls (a training loop): its prompt blocks
-        # cached before are dropped when its weights did (None: not checked: the engine's own
-        # model, which nothing else changes)
-        self._weights: tuple[tuple[int, int], ...] | None = None
+        # cached before are dropped when its weights, buffers or adapters did (None: not
+        # checked: the engine's own model, which nothing else changes)
+        self._weights: WeightsVersion | None = None
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
@@ -296,22 +297,38 @@ class Engine:
 
     def _drop_stale_prefixes(self) -> None:
         """Forget the cached prompt blocks if the caller's model changed since they were
-        computed (its weights' versions or addresses differ)."""
+        computed (its weights' versions or addresses, its non-persistent buffers or its
+        adapters' state differ)."""
         if self._weights is None or self.runner is None:
             return
         now = weights_version(self.model)
         if now == self._weights:
             return
-        moved = [a for a, _ in now] != [a for a, _ in self._weights]
-        if moved and (self.runner.graphs is not None or self.runner.fusion is not None):
-            raise BatchgenError(
-                "the model's weights were replaced by new tensors since this engine started, "
-                "and its CUDA graphs or fused layers read the old ones: update them in place "
-                "(copy_, load_state_dict) or create a new engine"
-            )
+        self._check_fast_paths(now)
         self._weights = now
         self.reset_prefix_cache()
-        self._fingerprint = model_fingerprint(self.model, self.tokenizer, self.eos_token_ids)
+        self._fingerprint = model_fingerprint(
+            self.model, self.tokenizer, self.eos_token_ids, adopted=True
+        )
+
+    def _check_fast_paths(self, now: WeightsVersion) -> None:
+        """BatchgenError for a change that CUDA graphs or fused layers would not see: they
+        read the tensors they were made with, and graphs replay the adapter layers' forward
+        as it was when they were captured (with the adapters active then)."""
+        graphs = self.runner.graphs is not None
+        fused = self.runner.fusion is not None
+        if now.addresses() != self._weights.addresses() and (graphs or fused):
+            raise BatchgenError(
+                "the model's weights were replaced by new tensors (or layers were added) since "
+                "this engine started, and its CUDA graphs or fused layers read the old ones: "
+                "update them in place (copy_, load_state_dict) or create a new engine"
+            )
+        if now.adapters != self._weights.adapters and graphs:
+            raise BatchgenError(
+                "the model's adapters were switched, enabled, disabled, merged or rescaled "
+                "since this engine captured its CUDA graphs, which replay them as they were: "
+                "create a new engine after such a change, or set cuda_graphs=False"
+            )
 
     def add_request(
         self, prompt: PromptLike, params: SamplingParams, default_id: str

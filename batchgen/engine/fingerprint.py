@@ -4,7 +4,9 @@ Config (without bookkeeping keys), a checksum of every element of every weight t
 loaded dtype, computed where the weights are), the tokenizer (vocabulary, normalization, special
 tokens, chat template) and the end-of-sequence ids. Two loads of the same checkpoint agree, on
 any device; a retrained or edited checkpoint (a single element changed), another tokenizer or
-chat template does not.
+chat template does not. A model with adapter layers (peft's LoRA and other tuners) adds their
+state (which adapters are active, disabled, merged, their scales); a caller's model adds its
+non-persistent buffers (a rotary table its config no longer describes once changed in place).
 """
 
 from __future__ import annotations
@@ -25,15 +27,78 @@ _MULTIPLIERS: dict[str, torch.Tensor] = {}  # device -> CHUNK multipliers
 
 
 def model_fingerprint(
-    model: PreTrainedModel, tokenizer: Any, eos_token_ids: frozenset[int]
+    model: PreTrainedModel, tokenizer: Any, eos_token_ids: frozenset[int], adopted: bool = False
 ) -> dict[str, str]:
-    return {
+    """adopted: the caller's model (its buffers count)."""
+    out = {
         "name": str(getattr(model, "name_or_path", "") or type(model).__name__),
         "config": _digest(json.dumps(_clean(model.config.to_dict()), sort_keys=True, default=str)),
         "weights_checksum": _weights_digest(model),
         "tokenizer": _tokenizer_digest(tokenizer),
         "eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids)),
     }
+    adapters = adapter_state(model)
+    if adapters:  # a model without adapter layers keeps the fingerprint it always had
+        out["adapters"] = _digest(repr(adapters))
+    if adopted:
+        out["buffers"] = buffers_digest(model).hex()
+    return out
+
+
+# attributes of an adapter layer (peft's BaseTunerLayer) that decide its forward
+ADAPTER_STATE = ("active_adapters", "disable_adapters", "merged_adapters", "scaling")
+
+
+def adapter_state(model: torch.nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """(module name, active adapters, disabled, merged adapters, scales) of each adapter layer,
+    known by its attributes (no peft import): what switching, disabling, merging or scaling
+    adapters changes without changing any tensor's version."""
+    out = []
+    for name, module in model.named_modules():
+        values = [getattr(module, a, None) for a in ADAPTER_STATE]
+        if any(v is not None and not callable(v) for v in values[:3]):
+            out.append((name, *map(_plain, values)))
+    return tuple(out)
+
+
+def _plain(value: Any) -> Any:
+    """value as nested tuples of plain values (comparable, with a stable repr)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def nonpersistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The floating-point buffers state_dict leaves out (rotary inv_freq and the like)."""
+    return [
+        t
+        for module in model.modules()
+        for name, t in module._buffers.items()
+        if t is not None
+        and name in module._non_persistent_buffers_set
+        and t.is_floating_point()
+        and t.device.type != "meta"
+    ]
+
+
+@torch.inference_mode()
+def buffers_digest(model: torch.nn.Module) -> bytes:
+    """16 bytes over the non-persistent floating-point buffers' shapes, dtypes and contents
+    (weights_sums): their version counters say nothing (LongRoPE copies its factors into
+    inv_freq at every forward)."""
+    h = hashlib.blake2b(digest_size=16)
+    sums = []
+    for tensor in nonpersistent_buffers(model):
+        h.update(f"{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        if tensor.numel():
+            sums.append(weights_sums(tensor).cpu())
+    if sums:
+        h.update(torch.cat(sums).numpy().tobytes())
+    return h.digest()
 
 
 def _clean(value: Any) -> Any:

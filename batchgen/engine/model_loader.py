@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.fingerprint import adapter_state, buffers_digest, nonpersistent_buffers
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.preload import Preload
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
@@ -61,18 +62,33 @@ def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> in
     return (4 * hidden + 3 * intermediate) * torch.tensor([], dtype=dtype).element_size()
 
 
-def weights_version(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """Where each parameter and persistent buffer lives and its version counter, which every
-    in-place change made through the tensor (an optimizer step, load_state_dict, copy_ under
-    no_grad) bumps: equal between two calls unless the weights were changed or replaced.
-    A change made through `.data` bumps no counter. Inference tensors count by address."""
+class WeightsVersion(NamedTuple):
+    """What a caller's model computes with, compared between generate calls: equal unless
+    its weights, buffers or adapters were changed or replaced."""
+
+    # where each parameter and persistent buffer lives and its version counter, which every
+    # in-place change made through the tensor (an optimizer step, load_state_dict, copy_
+    # under no_grad) bumps; a change made through `.data` bumps none. Inference tensors
+    # count by address.
+    tensors: tuple[tuple[int, int], ...]
+    buffers: tuple[int, ...]  # where each non-persistent floating-point buffer lives
+    buffer_contents: bytes  # their digest (buffers_digest)
+    adapters: tuple[tuple[Any, ...], ...]  # adapter layers' state (adapter_state)
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where every tensor lives (what CUDA graphs and fused layers read)."""
+        return (*(a for a, _ in self.tensors), *self.buffers)
+
+
+def weights_version(model: torch.nn.Module) -> WeightsVersion:
     out = []
     for module in model.modules():
         skip = module._non_persistent_buffers_set
         for name, t in (*module._parameters.items(), *module._buffers.items()):
             if t is not None and name not in skip:
                 out.append((t.data_ptr(), -1 if t.is_inference() else t._version))
-    return tuple(out)
+    buffers = tuple(t.data_ptr() for t in nonpersistent_buffers(model))
+    return WeightsVersion(tuple(out), buffers, buffers_digest(model), adapter_state(model))
 
 
 def set_cpu_threads(config: EngineConfig) -> None:
