@@ -162,12 +162,7 @@ class Generator:
                 f"{type(ds).__name__}: wrap the data, e.g. datasets.Dataset.from_list(rows)"
             )
         columns = output_columns(spec)
-        clash = [prefix + c for c in columns if prefix + c in (ds.column_names or ())]
-        if clash:
-            raise BatchgenError(
-                f"the dataset already has a column {clash[0]!r}: pass output_prefix='gen_' "
-                "(or rename the column)"
-            )
+        _check_clash(ds.column_names or [], columns, prefix)
         if isinstance(ds, datasets.IterableDataset):
             return self._stream(ds, spec, checkpoint_dir, columns, prefix)
         with _job_dir(checkpoint_dir) as out_dir:
@@ -185,10 +180,15 @@ class Generator:
             features = datasets.Features({**ds.features, **out})
         read = spec.prompt.columns_used() or None
 
+        def check(names: list[str], first: bool) -> None:
+            _check_clash(names, columns, prefix)
+            if first:
+                _check_required(names, spec)
+
         def rows() -> Iterator[dict[str, Any]]:
             with self._lock, _job_dir(checkpoint_dir) as out_dir:
                 job = self._job_spec(ds, spec, out_dir, final_file=checkpoint_dir is not None)
-                yield from stream_rows(ds, job, self.engine, out_dir, columns, prefix, read)
+                yield from stream_rows(ds, job, self.engine, out_dir, columns, prefix, read, check)
 
         return datasets.IterableDataset.from_generator(rows, features=features)
 
@@ -229,6 +229,26 @@ def generate(
     """Load `model` and generate over `dataset` once; options as in Generator.generate.
     To run several calls on one loaded engine, keep a Generator instead."""
     return Generator(model, engine_config, tokenizer=tokenizer).generate(dataset, **options)
+
+
+def _check_clash(names: list[str], columns: list[str], prefix: str) -> None:
+    """Refuse input columns that an output column would overwrite."""
+    clash = [prefix + c for c in columns if prefix + c in names]
+    if clash:
+        raise BatchgenError(
+            f"the dataset already has a column {clash[0]!r}: pass output_prefix='gen_' "
+            "(or rename the column)"
+        )
+
+
+def _check_required(names: list[str], spec: JobSpec) -> None:
+    """Refuse a stream without a schema whose first example lacks the prompt's columns."""
+    missing = [c for c in spec.prompt.required_columns() if c not in names]
+    if missing:
+        raise BatchgenError(
+            f"input has no column {missing[0]!r} (keys of its first example: "
+            f"{', '.join(names)}): fix the prompt arguments or the input"
+        )
 
 
 def output_columns(spec: JobSpec) -> list[str]:

@@ -5,15 +5,18 @@ The job runs on a thread while the caller iterates. Prompts are admitted only a 
 of what the caller has taken (the window grows as the caller keeps taking), so taking two rows
 generates about two rows; closing the iterator stops the job after the step in flight.
 Rows a checkpoint already holds are read back from it, each checked against the input row it
-was made from (a changed input is an error, never a result attached to another row).
+was made from (a changed input is an error, never a result attached to another row). The first
+example, and every later one whose keys differ, is checked before it goes on (the caller's check:
+an input column an output column would overwrite); the first is read before the job starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,9 @@ from batchgen.tokenizer_pool import row_hash
 
 FIRST_WINDOW = 4  # rows admitted ahead of the caller before it has taken any
 _POLL_S = 0.05
+
+# (an example's keys, whether it is the first) -> None, or raises BatchgenError
+ExampleCheck = Callable[[list[str], bool], None]
 
 
 @dataclasses.dataclass
@@ -56,10 +62,14 @@ def stream_rows(
     columns: list[str],
     prefix: str,
     read_columns: list[str] | None,
+    check: ExampleCheck,
 ) -> Iterator[dict[str, Any]]:
     """Yield {**input row, **prefixed output columns} in input order (n rows per index)."""
     state = _State()
-    source = _tapped_source(ds, spec.input.batch_rows, read_columns, state)
+    examples = _checked(iter(ds), check)
+    first = next(examples, None)  # refused here, before the job touches the output
+    examples = chain([first] if first is not None else [], examples)
+    source = _tapped_source(ds, examples, spec.input.batch_rows, read_columns, state)
     stop = threading.Event()
     hooks = Hooks(
         on_rows=lambda rows: _deliver(state, rows),
@@ -98,15 +108,30 @@ def _run(
             state.cond.notify_all()
 
 
+def _checked(examples: Iterator[dict[str, Any]], check: ExampleCheck) -> Iterator[dict[str, Any]]:
+    """The examples, each one whose keys differ from the last checked one's checked first."""
+    seen: frozenset[str] | None = None
+    for example in examples:
+        if seen is None or example.keys() != seen:
+            check(list(example), seen is None)
+            seen = frozenset(example)
+        yield example
+
+
 def _tapped_source(
-    ds: Any, batch_rows: int, read_columns: list[str] | None, state: _State
+    ds: Any,
+    examples: Iterable[dict[str, Any]],
+    batch_rows: int,
+    read_columns: list[str] | None,
+    state: _State,
 ) -> InputSource:
-    """The dataset as a job input that also hands each whole example to the iteration."""
+    """The dataset's examples as a job input (read once) that also hands each whole example to
+    the iteration."""
     names = list(ds.column_names or [])
 
     def read_rows(columns: list[str] | None) -> Iterator[tuple[dict[str, Any], None]]:
         index = 0
-        for example in ds:
+        for example in examples:
             values = example if columns is None else {c: example.get(c) for c in columns}
             digest = row_hash(RawRow(index, values, None))
             with state.cond:

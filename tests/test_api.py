@@ -295,3 +295,34 @@ def test_a_changed_dataset_is_refused_on_resume(gen: Generator, tmp_path: Path) 
         gen(changed, sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False)
     again = gen(table(), sampling={"max_new_tokens": 4}, checkpoint_dir=tmp_path, progress=False)
     assert again["prompt"] == PROMPTS
+
+
+def test_a_stream_without_features_keeps_its_columns(gen: Generator, tmp_path: Path) -> None:
+    """Without a schema the rows are checked as they are read: an input column an output column
+    would overwrite is refused (on the first example before any model work), as is a first
+    example without the prompt column."""
+    rows = [{"prompt": PROMPTS[0], "text": "mine"}]
+    mapped = datasets.Dataset.from_list(rows).to_iterable_dataset().map(lambda r: r)
+    assert mapped.column_names is None
+    out = gen(mapped, sampling={"max_new_tokens": 2}, checkpoint_dir=tmp_path / "cp")
+    with pytest.raises(BatchgenError, match="already has a column 'text': pass output_prefix"):
+        list(out)
+    assert not (tmp_path / "cp").exists()
+
+    def later() -> Iterator[dict[str, Any]]:
+        yield {"prompt": PROMPTS[1]}
+        yield {"prompt": PROMPTS[2], "error": "mine"}
+
+    taken = []
+    with pytest.raises(BatchgenError, match="already has a column 'error'"):
+        for row in gen(datasets.IterableDataset.from_generator(later), progress=False):
+            taken.append(row)
+    assert [r["prompt"] for r in taken] in ([], [PROMPTS[1]])
+
+    def no_prompt() -> Iterator[dict[str, Any]]:
+        yield {"question": PROMPTS[0]}
+
+    with pytest.raises(BatchgenError, match="no column 'prompt' \\(keys of its first example"):
+        list(gen(datasets.IterableDataset.from_generator(no_prompt), progress=False))
+    renamed = gen(mapped, output_prefix="gen_", sampling={"max_new_tokens": 2}, progress=False)
+    assert [r["text"] for r in renamed] == ["mine"]
