@@ -161,10 +161,11 @@ class Generator:
                 f"generate takes a datasets Dataset, IterableDataset or DatasetDict, not "
                 f"{type(ds).__name__}: wrap the data, e.g. datasets.Dataset.from_list(rows)"
             )
+        _check_transform(ds)
         columns = output_columns(spec)
         _check_clash(ds.column_names or [], columns, prefix)
-        if isinstance(ds, datasets.IterableDataset):
-            return self._stream(ds, spec, checkpoint_dir, columns, prefix)
+        if isinstance(ds, datasets.IterableDataset):  # read as Python rows, whatever its format
+            return self._stream(ds.with_format(None), spec, checkpoint_dir, columns, prefix)
         with _job_dir(checkpoint_dir) as out_dir:
             table = pq.read_table(self._run(ds, spec, out_dir, checkpoint_dir is not None))
         return _join(ds, table, columns, prefix)
@@ -229,6 +230,15 @@ def generate(
     """Load `model` and generate over `dataset` once; options as in Generator.generate.
     To run several calls on one loaded engine, keep a Generator instead."""
     return Generator(model, engine_config, tokenizer=tokenizer).generate(dataset, **options)
+
+
+def _check_transform(ds: Any) -> None:
+    """Refuse a Dataset whose rows read through a transform: the job reads the stored rows."""
+    if getattr(ds, "format", {}).get("type") == "custom":  # with_transform / set_transform
+        raise BatchgenError(
+            "the dataset has a transform (with_transform / set_transform), which generation "
+            "would not see: apply it with ds.map(transform, batched=True) instead"
+        )
 
 
 def _check_clash(names: list[str], columns: list[str], prefix: str) -> None:

@@ -326,3 +326,22 @@ def test_a_stream_without_features_keeps_its_columns(gen: Generator, tmp_path: P
         list(gen(datasets.IterableDataset.from_generator(no_prompt), progress=False))
     renamed = gen(mapped, output_prefix="gen_", sampling={"max_new_tokens": 2}, progress=False)
     assert [r["text"] for r in renamed] == ["mine"]
+
+
+def test_a_transform_is_refused_and_formats_read_the_rows(gen: Generator) -> None:
+    """The job reads the stored rows: a transform the caller sees them through is refused;
+    a format (torch, numpy, arrow, pandas) changes nothing in what is generated."""
+    ds = table().select(range(2))
+    question = ds.with_transform(lambda b: {"prompt": [f"Q: {p}" for p in b["prompt"]]})
+    with pytest.raises(BatchgenError, match=r"has a transform .*ds\.map\(transform"):
+        gen(question, sampling={"max_new_tokens": 2})
+    ds.set_transform(lambda b: b)
+    with pytest.raises(BatchgenError, match="has a transform"):
+        gen(ds, sampling={"max_new_tokens": 2})
+    ds.reset_format()
+    kw = {"sampling": {"max_new_tokens": 2}, "progress": False}
+    want = gen(ds, **kw).to_list()
+    for kind in ("torch", "numpy", "arrow", "pandas"):
+        assert gen(ds.with_format(kind), **kw).with_format(None).to_list() == want, kind
+        streamed = gen(ds.to_iterable_dataset().with_format(kind), **kw)
+        assert list(streamed.with_format(None)) == want, kind
