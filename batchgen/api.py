@@ -56,6 +56,7 @@ class Generator:
         else:
             self.model_name = getattr(self.engine.model, "name_or_path", "") or "model"
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread whose call (or streamed result) has it
 
     def generate(
         self,
@@ -130,6 +131,22 @@ class Generator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The engine for one call at a time: another thread waits its turn; the thread that
+        holds it in a streamed result it has not finished is refused (it would wait forever)."""
+        if self._holder == threading.get_ident():
+            raise BatchgenError(
+                "another result of this Generator is still being iterated: exhaust or close it "
+                "first (iterate streamed splits one after another, not side by side)"
+            )
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+
     def _spec(
         self,
         prompt: dict[str, Any],
@@ -187,7 +204,7 @@ class Generator:
                 _check_required(names, spec)
 
         def rows() -> Iterator[dict[str, Any]]:
-            with self._lock, _job_dir(checkpoint_dir) as out_dir:
+            with self._exclusive(), _job_dir(checkpoint_dir) as out_dir:
                 job = self._job_spec(ds, spec, out_dir, final_file=checkpoint_dir is not None)
                 yield from stream_rows(ds, job, self.engine, out_dir, columns, prefix, read, check)
 
@@ -207,7 +224,7 @@ class Generator:
         """Run (or resume) the job over ds in out_dir -> its results.parquet."""
         spec = self._job_spec(ds, spec, out_dir)
         source = dataset_source(ds.with_format(None), spec.input.batch_rows, spec.input.path)
-        with self._lock:
+        with self._exclusive():
             result = run_job(spec, engine=self.engine, source=source)
         if not result.complete:
             hint = (

@@ -345,3 +345,33 @@ def test_a_transform_is_refused_and_formats_read_the_rows(gen: Generator) -> Non
         assert gen(ds.with_format(kind), **kw).with_format(None).to_list() == want, kind
         streamed = gen(ds.to_iterable_dataset().with_format(kind), **kw)
         assert list(streamed.with_format(None)) == want, kind
+
+
+def test_a_held_stream_refuses_another_call_of_its_thread(gen: Generator, expected) -> None:
+    """A streamed result holds the engine until it is exhausted or closed: another call of the
+    thread that holds it is refused (it would wait for itself); another thread waits its turn."""
+    import threading
+
+    kw = {"sampling": {"max_new_tokens": 6}, "progress": False}
+    splits = {"a": table().to_iterable_dataset(), "b": table().to_iterable_dataset()}
+    out = gen(datasets.IterableDatasetDict(splits), **kw)
+    side_by_side = iter(out["a"]), iter(out["b"])
+    next(side_by_side[0])
+    with pytest.raises(BatchgenError, match="still being iterated"):
+        next(side_by_side[1])  # as zip(out["a"], out["b"]) does
+    side_by_side[0].close()
+    held = iter(gen(table().to_iterable_dataset(), **kw))
+    first = next(held)
+    with pytest.raises(BatchgenError, match="still being iterated: exhaust or close it first"):
+        gen(table().select([0]), **kw)
+    other: list[Any] = []
+    waiting = threading.Thread(target=lambda: other.append(gen(table().select([1]), **kw)))
+    waiting.start()
+    rest = [first, *held]
+    waiting.join()
+    assert [r["text"] for r in rest] == [expected[p] for p in PROMPTS]
+    assert other[0]["text"] == [expected[PROMPTS[1]]]
+    again = iter(gen(table().to_iterable_dataset(), **kw))
+    next(again)
+    again.close()
+    assert gen(table().select([2]), **kw)["text"] == [expected[PROMPTS[2]]]
