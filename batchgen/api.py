@@ -105,13 +105,20 @@ class Generator:
             )
         import datasets
 
+        columns = output_columns(spec)
         if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            for split, ds in dataset.items():  # every split's, before any split runs
+                try:
+                    _check_dataset(ds, spec, columns, output_prefix)
+                except BatchgenError as exc:
+                    raise BatchgenError(f"split {split!r}: {exc}") from None
             return type(dataset)(
                 {
                     split: self._one(ds, spec, _split_dir(checkpoint_dir, split), output_prefix)
                     for split, ds in dataset.items()
                 }
             )
+        _check_dataset(dataset, spec, columns, output_prefix)
         return self._one(dataset, spec, checkpoint_dir, output_prefix)
 
     __call__ = generate
@@ -171,16 +178,10 @@ class Generator:
             raise BatchgenError(f"generate: {exc}") from exc
 
     def _one(self, ds: Any, spec: JobSpec, checkpoint_dir: Any, prefix: str) -> Any:
+        """Generate over one Dataset or IterableDataset (checked by _check_dataset)."""
         import datasets
 
-        if not isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
-            raise BatchgenError(
-                f"generate takes a datasets Dataset, IterableDataset or DatasetDict, not "
-                f"{type(ds).__name__}: wrap the data, e.g. datasets.Dataset.from_list(rows)"
-            )
-        _check_transform(ds)
         columns = output_columns(spec)
-        _check_clash(ds.column_names or [], columns, prefix)
         if isinstance(ds, datasets.IterableDataset):  # read as Python rows, whatever its format
             return self._stream(ds.with_format(None), spec, checkpoint_dir, columns, prefix)
         with _job_dir(checkpoint_dir) as out_dir:
@@ -247,6 +248,23 @@ def generate(
     """Load `model` and generate over `dataset` once; options as in Generator.generate.
     To run several calls on one loaded engine, keep a Generator instead."""
     return Generator(model, engine_config, tokenizer=tokenizer).generate(dataset, **options)
+
+
+def _check_dataset(ds: Any, spec: JobSpec, columns: list[str], prefix: str) -> None:
+    """Every refusal that needs no generation: the kind, a transform, an input column an output
+    column would overwrite, the prompt's columns (where the dataset declares its columns)."""
+    import datasets
+
+    if not isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        raise BatchgenError(
+            f"generate takes a datasets Dataset, IterableDataset or DatasetDict, not "
+            f"{type(ds).__name__}: wrap the data, e.g. datasets.Dataset.from_list(rows)"
+        )
+    _check_transform(ds)
+    _check_clash(ds.column_names or [], columns, prefix)
+    if ds.column_names is not None:
+        source = dataset_source(ds, spec.input.batch_rows, f"datasets.{type(ds).__name__}")
+        input_format(spec.input.format).check_columns(spec, source)
 
 
 def _check_transform(ds: Any) -> None:

@@ -375,3 +375,22 @@ def test_a_held_stream_refuses_another_call_of_its_thread(gen: Generator, expect
     next(again)
     again.close()
     assert gen(table().select([2]), **kw)["text"] == [expected[PROMPTS[2]]]
+
+
+def test_every_split_is_checked_before_any_split_runs(gen: Generator, tmp_path: Path) -> None:
+    kw = {"sampling": {"max_new_tokens": 2}, "progress": False}
+    train = table().select(range(2))
+    clash = datasets.DatasetDict({"train": train, "test": train.add_column("text", ["a", "b"])})
+    with pytest.raises(BatchgenError, match="split 'test': the dataset already has a column"):
+        gen(clash, checkpoint_dir=tmp_path, **kw)
+    assert not any(tmp_path.iterdir()), "split 'train' ran"
+    lacking = datasets.DatasetDict({"train": train, "test": train.rename_column("prompt", "q")})
+    with pytest.raises(BatchgenError, match="split 'test': input has no column 'prompt'"):
+        gen(lacking, checkpoint_dir=tmp_path, **kw)
+    transformed = datasets.DatasetDict({"train": train, "test": train.with_transform(dict)})
+    with pytest.raises(BatchgenError, match="split 'test': the dataset has a transform"):
+        gen(transformed, checkpoint_dir=tmp_path, **kw)
+    assert not any(tmp_path.iterdir()), "split 'train' ran"
+    streams = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in lacking.items()})
+    with pytest.raises(BatchgenError, match="split 'test': input has no column 'prompt'"):
+        gen(streams, **kw)  # at the call, not when the split is iterated
