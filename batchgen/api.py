@@ -226,7 +226,7 @@ class Generator:
         spec = self._job_spec(ds, spec, out_dir)
         source = dataset_source(ds.with_format(None), spec.input.batch_rows, spec.input.path)
         with self._exclusive():
-            result = run_job(spec, engine=self.engine, source=source)
+            result = run_job(spec, force_resume=None, engine=self.engine, source=source)
         if not result.complete:
             hint = (
                 f"finished rows are kept in {out_dir}: call again to resume"

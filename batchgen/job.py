@@ -181,7 +181,7 @@ def load_engine(
 def run_job(
     spec: JobSpec,
     *,
-    force_resume: bool = False,
+    force_resume: bool | None = False,
     engine: Engine | None = None,
     stop: threading.Event | None = None,
     source: InputSource | None = None,
@@ -192,6 +192,8 @@ def run_job(
 ) -> JobResult:
     """Run (or resume) a job to completion, or until `stop` is set.
 
+    force_resume: resume an output directory whose job differs; None where the caller offers
+    no such option (the datasets API: refusals name another checkpoint_dir instead);
     engine: a loaded engine to use (kept loaded afterwards); source: see check_job;
     note: where warnings go (default: stderr); process_s: the process's age when the caller
     began the job (the CLI's; reported as the first start-up phase); engine_server: an
@@ -229,7 +231,7 @@ def _with_engine(
     source: InputSource,
     lock: OutputLock,
     startup: dict[str, float],
-    force_resume: bool,
+    force_resume: bool | None,
     stop: threading.Event | None,
     hooks: Hooks,
     note: Callable[[str], None],
@@ -324,7 +326,7 @@ def check_output_dir(
     spec: JobSpec,
     layout: OutputLayout,
     source: InputSource,
-    force: bool,
+    force: bool | None,
     new_needs_input: bool = True,
 ) -> tuple[Manifest | None, dict[str, Any]]:
     """Whether the output directory takes this job, as far as is known before the model
@@ -366,7 +368,7 @@ def check_model_before_load(spec: JobSpec) -> None:
         check_max_model_len(spec.engine.max_model_len, limit)
 
 
-def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:
+def previous_run(layout: OutputLayout, force: bool | None) -> Manifest | None:
     """The manifest of an earlier run, or None for a new (or, with force, adopted) directory."""
     out = layout.dir
     try:
@@ -375,15 +377,14 @@ def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:
         if force:
             return None
         raise BatchgenError(
-            f"output directory '{out}': {exc}: use another output directory, or --force-resume "
-            "to keep its shards under this job's spec"
+            f"output directory '{out}': {exc}: {_keep_shards(layout, force)}"
         ) from exc
     if manifest is not None or force:
         return manifest
     if layout.shard_paths():
         raise BatchgenError(
-            f"output directory '{out}' holds shards but no {layout.manifest.name}: use another "
-            "output directory, or --force-resume to keep its shards under this job's spec"
+            f"output directory '{out}' holds shards but no {layout.manifest.name}: "
+            f"{_keep_shards(layout, force)}"
         )
     if layout.holds_anything_but_leftovers() and not _only_empty_shards_dir(layout):
         raise BatchgenError(
@@ -391,6 +392,20 @@ def previous_run(layout: OutputLayout, force: bool) -> Manifest | None:
             "choose a new or empty directory"
         )
     return None
+
+
+def _keep_shards(layout: OutputLayout, force: bool | None) -> str:
+    """What to do about a directory of shards that no manifest describes."""
+    if force is None:
+        return _another_checkpoint_dir(layout)
+    return (
+        "use another output directory, or --force-resume to keep its shards under this job's spec"
+    )
+
+
+def _another_checkpoint_dir(layout: OutputLayout) -> str:
+    """The way out of a refused output directory where --force-resume is not offered."""
+    return f"use another checkpoint_dir, or delete '{layout.dir}' to start over"
 
 
 def _only_empty_shards_dir(layout: OutputLayout) -> bool:
@@ -403,18 +418,24 @@ def check_resumable(
     previous: Manifest | None,
     current: dict[str, Any],
     parts: tuple[str, ...],
-    force: bool,
+    force: bool | None,
 ) -> None:
+    """force None: no --force-resume is offered (the datasets API)."""
     _check_shard_format(layout, current["settings"]["output.format"])
     if previous is None or force:
         return
-    changes = identity_changes(previous.identity, current, parts)
+    changes = identity_changes(previous.identity, current, parts, forceable=force is not None)
     if changes:
         more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        remedy = (
+            _another_checkpoint_dir(layout)
+            if force is None
+            else f"use another output directory, delete '{layout.dir}' to start over, or "
+            "--force-resume to continue it anyway"
+        )
         raise BatchgenError(
             f"output directory '{layout.dir}' holds results of another job: {changes[0]}{more}; "
-            f"use another output directory, delete '{layout.dir}' to start over, or "
-            "--force-resume to continue it anyway"
+            f"{remedy}"
         )
 
 

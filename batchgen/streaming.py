@@ -99,7 +99,7 @@ def _run(
     state: _State,
 ) -> None:
     try:
-        run_job(spec, engine=engine, source=source, stop=stop, hooks=hooks)
+        run_job(spec, force_resume=None, engine=engine, source=source, stop=stop, hooks=hooks)
     except BaseException as exc:
         state.error = exc
     finally:

@@ -394,3 +394,22 @@ def test_every_split_is_checked_before_any_split_runs(gen: Generator, tmp_path: 
     streams = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in lacking.items()})
     with pytest.raises(BatchgenError, match="split 'test': input has no column 'prompt'"):
         gen(streams, **kw)  # at the call, not when the split is iterated
+
+
+def test_a_refused_checkpoint_names_what_the_api_offers(gen: Generator, tmp_path: Path) -> None:
+    """The API has no --force-resume: a refused checkpoint_dir names another one instead."""
+    gen(table(), sampling={"max_new_tokens": 2}, checkpoint_dir=tmp_path, progress=False)
+    changed = {"sampling": {"max_new_tokens": 3}, "checkpoint_dir": tmp_path, "progress": False}
+    calls = [
+        lambda: gen(table(), **changed),
+        lambda: list(gen(table().to_iterable_dataset(), **changed)),
+    ]
+    for call in calls:
+        with pytest.raises(BatchgenError, match="use another checkpoint_dir, or delete") as info:
+            call()
+        assert "--force-resume" not in str(info.value)
+    (tmp_path / "job.json").unlink()
+    with pytest.raises(
+        BatchgenError, match=r"holds shards but no job\.json: use another checkpoint_dir"
+    ):
+        gen(table(), **changed)

@@ -38,10 +38,14 @@ Key = tuple[int, int]  # (input index, sample index)
 
 
 def identity_changes(
-    recorded: dict[str, Any], current: dict[str, Any], parts: tuple[str, ...]
+    recorded: dict[str, Any],
+    current: dict[str, Any],
+    parts: tuple[str, ...],
+    forceable: bool = True,
 ) -> list[str]:
     """Human-readable differences between two identities, over the named parts. Settings are
-    compared on the keys `current` holds (before the model loads it holds fewer)."""
+    compared on the keys `current` holds (before the model loads it holds fewer); forceable:
+    the caller offers --force-resume."""
     out: list[str] = []
     for part in parts:
         old, new = recorded.get(part), current.get(part)
@@ -55,10 +59,11 @@ def identity_changes(
         elif part == "input" and _content(old) != _content(new):
             out.append(f"the input changed ({describe_input_change(old, new)})")
         elif part == "model" and _older_fingerprint(old, new):
+            keep = "--force-resume keeps the earlier rows" if forceable else "start over"
             out.append(
                 "the model's fingerprint was recorded by an older batchgen, which did not "
                 f"record its {' and '.join(sorted(set(new) - set(old)))}: if the model is the "
-                "same, --force-resume keeps the earlier rows"
+                f"same, {keep}"
             )
         elif part == "model" and _content(old) != _content(new):
             out.append(f"the model changed ({_model_change(old, new)})")
