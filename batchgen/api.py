@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class Generator:
     ) -> None:
         self._owns_engine = not isinstance(model, Engine)
         self.engine = Engine(model, config, tokenizer) if self._owns_engine else model
+        # an engine of its own is closed with the generator, if not before (close())
+        self._release = weakref.finalize(self, self.engine.close if self._owns_engine else _no_op)
+        self._release.atexit = False
         if isinstance(model, (str, Path)):
             self.model_name = str(model)
         else:
@@ -129,8 +133,7 @@ class Generator:
 
     def close(self) -> None:
         """Release the engine (a caller's Engine is left as it is)."""
-        if self._owns_engine:
-            self.engine.close()
+        self._release()
 
     def __enter__(self) -> Generator:
         return self
@@ -246,8 +249,24 @@ def generate(
     **options: Any,
 ) -> Any:
     """Load `model` and generate over `dataset` once; options as in Generator.generate.
-    To run several calls on one loaded engine, keep a Generator instead."""
-    return Generator(model, engine_config, tokenizer=tokenizer).generate(dataset, **options)
+    To run several calls on one loaded engine, keep a Generator instead. The engine is closed
+    before a Dataset (or DatasetDict) is returned; a streamed result keeps it until the result
+    is dropped."""
+    import datasets
+
+    gen = Generator(model, engine_config, tokenizer=tokenizer)
+    try:
+        out = gen.generate(dataset, **options)
+    except BaseException:
+        gen.close()
+        raise
+    if not isinstance(out, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        gen.close()
+    return out
+
+
+def _no_op() -> None:
+    pass
 
 
 def _check_dataset(ds: Any, spec: JobSpec, columns: list[str], prefix: str) -> None:

@@ -188,6 +188,31 @@ def test_module_level_generate(model_dir) -> None:
     assert out["num_generated_tokens"] == [3] and out["prompt"] == ["Hello there"]
 
 
+def test_module_level_generate_closes_its_engine(model_dir, monkeypatch) -> None:
+    """Closed before a Dataset is returned; a streamed result keeps it until it is dropped."""
+    import gc
+
+    from batchgen import Engine
+
+    made: list[Engine] = []
+
+    class Recorded(Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("batchgen.api.Engine", Recorded)
+    ds = datasets.Dataset.from_dict({"prompt": ["Hello there"]})
+    kw = {"engine_config": EngineConfig(device="cpu"), "sampling": {"max_new_tokens": 2}}
+    out = batchgen.generate(ds, model=model_dir("llama"), progress=False, **kw)
+    assert len(out) == 1 and made[0].runner is None
+    streamed = batchgen.generate(ds.to_iterable_dataset(), model=model_dir("llama"), **kw)
+    assert len(list(streamed)) == 1 and made[1].runner is not None
+    del streamed
+    gc.collect()
+    assert made[1].runner is None
+
+
 def test_iterable_dataset_is_read_once_and_joined_by_row(gen: Generator, expected) -> None:
     """A source whose order changes on every read: each output stays with its own row."""
     calls = [0]
