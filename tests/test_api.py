@@ -122,6 +122,18 @@ def test_n_samples_are_consecutive_rows(gen: Generator) -> None:
     assert [r["token_ids"] for r in streamed] == out["token_ids"]
 
 
+def test_a_bad_row_is_one_error_row_with_n_samples(gen: Generator) -> None:
+    """As in a job's output: a row refused before generation is one row, sample_index 0."""
+    ds = datasets.Dataset.from_dict({"prompt": ["a b", "", "c d"]})
+    sampling = {"max_new_tokens": 2, "n": 3, "temperature": 1.0}
+    out = gen(ds, sampling=sampling, progress=False)
+    assert out["prompt"] == ["a b"] * 3 + [""] + ["c d"] * 3
+    assert out["sample_index"] == [0, 1, 2, 0, 0, 1, 2]
+    assert out["finish_reason"][3] == "error" and out["text"][3] is None
+    streamed = list(gen(ds.to_iterable_dataset(), sampling=sampling, progress=False))
+    assert [r["sample_index"] for r in streamed] == out["sample_index"]
+
+
 def test_chat_messages_and_bad_rows(gen: Generator) -> None:
     ds = datasets.Dataset.from_list(
         [
