@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
+from batchgen.engine.call_inputs import as_prompts
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
@@ -199,7 +200,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Iterable[PromptLike],
+        prompts: PromptLike | Iterable[PromptLike],
         params: SamplingParams | None = None,
         *,
         decode: bool = True,
@@ -207,6 +208,9 @@ class Engine:
         check_outputs: bool = True,
     ) -> Iterator[RequestOutput]:
         """Yield each request's result as it finishes (not in input order).
+
+        prompts: one prompt (a text, a flat list of token ids, a Prompt) or an iterable of
+        them (as_prompts).
 
         decode: give each result its text. A structured output that ended because its grammar
         was complete is decoded and checked against its spec either way (output_problem; an
@@ -223,7 +227,7 @@ class Engine:
         """
         params = params or SamplingParams()
         self._drop_stale_prefixes()
-        source = iter(prompts)
+        source = iter(as_prompts(prompts))
         position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
         failure: BaseException | None = None

@@ -297,6 +297,7 @@ class EngineProcess:
         """Engine.generate, served: prompts are pulled while the server's window has room (a
         source may yield NOT_READY), results yielded as they come back. Once `stop` is set,
         the server finishes the step in flight and drops what still runs."""
+        from batchgen.engine.call_inputs import as_prompts
         from batchgen.engine.request import NOT_READY
 
         self._check_open()
@@ -307,7 +308,7 @@ class EngineProcess:
         message = ("generate", call_id, params or SamplingParams(), decode, check_outputs, profile)
         self.server.send(message)
         window = WINDOW_SEQS * self.config.max_num_seqs
-        source, sent = iter(prompts), 0
+        source, sent = iter(as_prompts(prompts)), 0
         ended = end_sent = stopping = done = False
         try:
             while True:
