@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen import Engine, EngineConfig, Prompt, SamplingParams
+from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=3)
 
@@ -40,3 +40,34 @@ def test_a_single_prompt_is_one_request(engine: Engine) -> None:
     assert wrong.finish_reason == "error" and "not dict" in wrong.error
     assert len(_run(engine, [[5, 6, 7], [8, 9]])) == 2  # a list of id lists: one per list
     assert _run(engine, []) == []
+
+
+def test_a_list_of_params_pairs_one_with_each_prompt(engine: Engine) -> None:
+    prompts = ["alpha beta", "gamma delta", "epsilon"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 4, 2)]
+    outs = {o.request_id: o for o in _run(engine, prompts, params)}
+    assert [len(outs[str(i)].output_token_ids) for i in range(3)] == [1, 4, 2]
+    (alone,) = _run(engine, [prompts[1]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert outs["1"].output_token_ids == alone.output_token_ids
+    (out,) = _run(engine, "epsilon", [params[2]])  # one prompt, one params in a list
+    assert out.output_token_ids == outs["2"].output_token_ids
+    overridden = [Prompt("epsilon", sampling={"max_new_tokens": 3}), "alpha beta"]
+    outs = {o.request_id: o for o in _run(engine, overridden, params[:2])}
+    assert [len(outs[k].output_token_ids) for k in "01"] == [3, 4]  # the dict overrides its own
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        (["a", "b"], [PARAMS], r"^2 prompts but 1 SamplingParams: give one per prompt"),
+        ((p for p in ["a"]), [PARAMS], r"pairs with a list of prompts, not generator"),
+        (["a"], [{"max_new_tokens": 3}], r"list of them \(one per prompt\), not a list holding"),
+        (["a"], {"max_new_tokens": 3}, r"list of them \(one per prompt\), not dict$"),
+    ],
+)
+def test_params_that_cannot_pair_are_refused(
+    engine: Engine, prompts: object, params: object, message: str
+) -> None:
+    with pytest.raises(BatchgenError, match=message):
+        _run(engine, prompts, params)
+    assert not engine.has_unfinished()

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
-from batchgen.engine.call_inputs import as_prompts
+from batchgen.engine.call_inputs import CallParams, as_prompts, with_params
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
@@ -201,7 +201,7 @@ class Engine:
     def generate(
         self,
         prompts: PromptLike | Iterable[PromptLike],
-        params: SamplingParams | None = None,
+        params: CallParams = None,
         *,
         decode: bool = True,
         stop: Event | None = None,
@@ -210,7 +210,8 @@ class Engine:
         """Yield each request's result as it finishes (not in input order).
 
         prompts: one prompt (a text, a flat list of token ids, a Prompt) or an iterable of
-        them (as_prompts).
+        them (as_prompts). params: one SamplingParams for every prompt, or a list of them, one
+        per prompt of a list (with_params).
 
         decode: give each result its text. A structured output that ended because its grammar
         was complete is decoded and checked against its spec either way (output_problem; an
@@ -225,9 +226,8 @@ class Engine:
         Once `stop` is set, the step in flight is finished and its results yielded; requests
         still running are dropped (their prompts yield nothing).
         """
-        params = params or SamplingParams()
+        source = with_params(as_prompts(prompts), params)
         self._drop_stale_prefixes()
-        source = iter(as_prompts(prompts))
         position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
         failure: BaseException | None = None
@@ -240,9 +240,10 @@ class Engine:
                     if item is _END:
                         exhausted = True
                         break
-                    if item is NOT_READY:
+                    prompt, prompt_params = item
+                    if prompt is NOT_READY:
                         break
-                    rejected = self.add_request(item, params, default_id=str(position))
+                    rejected = self.add_request(prompt, prompt_params, default_id=str(position))
                     position += 1
                     if rejected is not None:
                         yield rejected
