@@ -104,6 +104,21 @@ def test_a_call_stopped_or_left_early_lets_the_next_one_run(served: EngineProces
     assert [len(o.output_token_ids) for o in short] == [2]
 
 
+def test_a_second_call_while_one_is_open_is_refused(served: EngineProcess) -> None:
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first = [Prompt([5, 6, 7], "a0", {"max_new_tokens": 1}), Prompt([8, 9], "a1")]
+    alone = {o.request_id: o.output_token_ids for o in served.generate(first, params)}
+    calls = served.generate(first, params)
+    taken = [next(calls)]
+    with pytest.raises(BatchgenError, match="previous generate call is still open"):
+        list(served.generate([[3, 4]], params))
+    taken += list(calls)
+    assert {o.request_id: o.output_token_ids for o in taken} == alone
+    assert len(list(served.generate([[3, 4]], params))) == 1
+    (one,) = served.generate("The weather today is", params)  # one text: one prompt
+    assert one.finish_reason == "length"
+
+
 def test_grammar_errors_and_cache_clearing_are_answered(served: EngineProcess) -> None:
     pytest.importorskip("llguidance")  # structured outputs' extra (make setup installs it)
     with pytest.raises(ValueError, match="regex"):

@@ -71,3 +71,23 @@ def test_params_that_cannot_pair_are_refused(
     with pytest.raises(BatchgenError, match=message):
         _run(engine, prompts, params)
     assert not engine.has_unfinished()
+
+
+def test_a_second_call_while_one_is_open_is_refused(engine: Engine) -> None:
+    first = [
+        Prompt("alpha one", request_id="a0", sampling={"max_new_tokens": 1}),
+        Prompt("alpha two", request_id="a1", sampling={"max_new_tokens": 12}),
+        Prompt("alpha three", request_id="a2", sampling={"max_new_tokens": 12}),
+    ]
+    alone = {o.request_id: o.output_token_ids for o in _run(engine, first)}
+    calls = engine.generate(first, PARAMS)
+    taken = [next(calls)]
+    with pytest.raises(BatchgenError, match="previous generate call is still open"):
+        _run(engine, ["beta one", "beta two"])
+    taken += list(calls)  # the first call goes on, its results its own
+    assert {o.request_id: o.output_token_ids for o in taken} == alone
+    assert len(_run(engine, ["beta one", "beta two"])) == 2  # once it ended
+    calls = engine.generate(first, PARAMS)
+    next(calls)
+    calls.close()  # ... or was closed
+    assert len(_run(engine, ["beta one", "beta two"])) == 2

@@ -173,6 +173,7 @@ class Engine:
         self._weights: WeightsVersion | None = None
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
+        self._generating = False  # a generate call is open (its first result asked, not ended)
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         self.profiler: StepProfiler | None = None  # told of every step (batchgen/profile)
@@ -226,11 +227,13 @@ class Engine:
         Once `stop` is set, the step in flight is finished and its results yielded; requests
         still running are dropped (their prompts yield nothing).
         """
+        self._check_one_call()
         source = with_params(as_prompts(prompts), params)
         self._drop_stale_prefixes()
         position = 0  # default ids count the prompts, not the NOT_READY answers
         exhausted = False
         failure: BaseException | None = None
+        self._generating = True
         try:
             while True:
                 pulls = max(PULL_MIN, self.config.max_num_seqs // PULL_SHARE)
@@ -264,7 +267,10 @@ class Engine:
             failure = exc
             raise
         finally:
-            self._end_call(failure)
+            try:
+                self._end_call(failure)
+            finally:
+                self._generating = False
 
     def _end_call(self, failure: BaseException | None) -> None:
         """Drop what a generate call left unfinished (`failure`: the error ending it)."""
@@ -286,6 +292,14 @@ class Engine:
                 failure.add_note(note)
             return False
         return True
+
+    def _check_one_call(self) -> None:
+        """One generate call at a time: a second one would take the first one's results."""
+        if self._generating:
+            raise BatchgenError(
+                "this engine's previous generate call is still open: take its results to the "
+                "end or close() it before the next call (one call at a time per engine)"
+            )
 
     @property
     def fingerprint(self) -> dict[str, str]:

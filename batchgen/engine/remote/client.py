@@ -247,6 +247,7 @@ class EngineProcess:
         self._calls = 0
         self._taken = 0  # prompts of the current generate call the engine has taken
         self._pending: dict[str, list[int] | None] = {}  # request id -> ids sent, until last
+        self._generating = False  # a generate call is open (as Engine's: one at a time)
         self.cache_stats = CacheStats()
         self.step_report: dict | None = None
         self.recorder: RemoteRecorder | None = None  # the next generate call's, if it profiles
@@ -301,6 +302,11 @@ class EngineProcess:
         from batchgen.engine.request import NOT_READY
 
         self._check_open()
+        if self._generating:
+            raise BatchgenError(
+                "this engine's previous generate call is still open: take its results to the "
+                "end or close() it before the next call (one call at a time per engine)"
+            )
         self._calls += 1
         call_id, self._taken, self._pending = self._calls, 0, {}
         recorder = self.recorder
@@ -310,6 +316,7 @@ class EngineProcess:
         window = WINDOW_SEQS * self.config.max_num_seqs
         source, sent = iter(as_prompts(prompts)), 0
         ended = end_sent = stopping = done = False
+        self._generating = True
         try:
             while True:
                 starved = False
@@ -343,9 +350,12 @@ class EngineProcess:
                     return
                 yield from self._results(message)
         finally:
-            if not done:
-                self._abandon(call_id)
-            self._pending = {}
+            try:
+                if not done:
+                    self._abandon(call_id)
+            finally:
+                self._pending = {}
+                self._generating = False
 
     def has_unfinished(self) -> bool:
         """Whether a prompt sent in the current generate call still has a result to come."""
