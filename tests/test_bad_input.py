@@ -61,7 +61,8 @@ def test_duplicate_running_id_is_an_error(engine: Engine) -> None:
     outs = list(engine.generate(items, SamplingParams(max_new_tokens=4)))
     assert sorted(o.finish_reason for o in outs) != ["error", "error"]
     assert [o.error for o in outs if o.error] == [
-        "request x: id 'x' is already running: ids must be unique"
+        "request x: id 'x' was given to an earlier prompt of this call (a prompt without a "
+        "request_id has its position as id): ids must be unique"
     ]
 
 

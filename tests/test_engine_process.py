@@ -119,6 +119,18 @@ def test_a_second_call_while_one_is_open_is_refused(served: EngineProcess) -> No
     assert one.finish_reason == "length"
 
 
+def test_each_id_is_one_prompts_in_a_served_call(served: EngineProcess) -> None:
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    items = [Prompt([5, 6, 7], "2"), [8, 9], [10, 11], Prompt([5, 6], "2"), [12]]
+    outs = list(served.generate(items, params))
+    errors = [(o.request_id, o.error) for o in outs if o.finish_reason == "error"]
+    assert [rid for rid, _ in errors] == ["2", "2"]  # the position 2; the id given again
+    assert "its id is its position, '2'" in errors[0][1]
+    assert "ids must be unique" in errors[1][1]
+    done = sorted((o.request_id, o.prompt_token_ids) for o in outs if o.error is None)
+    assert done == [("1", [8, 9]), ("2", [5, 6, 7]), ("4", [12])]
+
+
 def test_grammar_errors_and_cache_clearing_are_answered(served: EngineProcess) -> None:
     pytest.importorskip("llguidance")  # structured outputs' extra (make setup installs it)
     with pytest.raises(ValueError, match="regex"):

@@ -91,3 +91,50 @@ def test_a_second_call_while_one_is_open_is_refused(engine: Engine) -> None:
     next(calls)
     calls.close()  # ... or was closed
     assert len(_run(engine, ["beta one", "beta two"])) == 2
+
+
+def _errors(outs: list) -> list[tuple[str, str]]:
+    return [(o.request_id, o.error) for o in outs if o.finish_reason == "error"]
+
+
+def test_each_id_is_one_prompts_in_a_call(engine: Engine) -> None:
+    """An id given to an earlier prompt of the call, finished or not, is an error result for
+    the later one; so is a position that an earlier prompt was given as its request_id."""
+    one = SamplingParams(max_new_tokens=1)
+    outs = _run(engine, [Prompt("first", request_id="2"), "second", "third"], one)
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [
+        ("1", "length"),
+        ("2", "error"),
+        ("2", "length"),
+    ]
+    ((_, error),) = _errors(outs)
+    assert error.startswith("request 2: without a request_id its id is its position, '2', ")
+    assert [o.prompt_token_ids for o in outs if o.error is None and o.request_id == "2"] == [
+        engine.tokenizer("first").input_ids
+    ]
+    outs = _run(engine, ["zero", "one", Prompt("again", request_id="1")], one)
+    assert _errors(outs) == [("1", "request 1: id '1' was given to an earlier prompt of this "
+                              "call (a prompt without a request_id has its position as id): "
+                              "ids must be unique")]  # fmt: skip
+    # a later prompt with the id of one that finished long before: still refused
+    later = [Prompt("a", request_id="x"), *[Prompt("b", request_id=f"y{i}") for i in range(9)]]
+    outs = _run(engine, [*later, Prompt("c", request_id="x")], one)
+    assert [rid for rid, _ in _errors(outs)] == ["x"]
+    # the same ids in another call are that call's
+    assert not _errors(_run(engine, [Prompt("c", request_id="x"), "d", "e"], one))
+
+
+def test_call_ids_keep_numbered_ids_as_runs() -> None:
+    from batchgen.engine.call_inputs import CallIds
+
+    ids = CallIds()
+    order = [5, 3, 4, 0, 1, 9, 2, 8, 7, 6]
+    assert all(ids.claim(str(n), given=True) is None for n in order)
+    assert (ids._starts, ids._ends, ids._names) == ([0], [10], set())
+    assert all(ids.claim(str(n), given=False) is not None for n in order)
+    for name in ("07", "+7", "7.0", " 7", "x", "1" * 30):  # not the number 7: ids of their own
+        assert ids.claim(name, given=True) is None, name
+        assert ids.claim(name, given=True) is not None, name
+    many = CallIds()
+    assert all(many.claim(str(n), given=False) is None for n in range(100_000))
+    assert len(many._starts) == 1

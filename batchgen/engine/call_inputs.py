@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from numbers import Integral
 from typing import Any
@@ -11,6 +12,7 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
 
 CallParams = SamplingParams | Sequence[SamplingParams] | None
+MAX_DIGITS = 18  # a decimal id of up to this many digits is kept as a number
 
 
 def as_prompts(prompts: Any) -> Iterable[Any]:
@@ -63,3 +65,70 @@ def _not_params(params: object) -> str | None:
         return _kind(params)
     odd = next((p for p in params if not isinstance(p, SamplingParams)), None)
     return None if odd is None else f"a list holding a {_kind(odd)}"
+
+
+class CallIds:
+    """The request ids a generate call has given out, each to one prompt only: a prompt's own
+    request_id, or its position in the call ("0", "1", ...) when it has none.
+
+    Decimal ids (every position, and a job's row numbers) are kept as runs of consecutive
+    numbers, so a call of millions of numbered prompts holds a few runs, not millions of
+    strings; other ids are kept as they are.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # sorted, disjoint runs [start, end) of decimal ids
+        self._ends: list[int] = []
+        self._names: set[str] = set()
+
+    def claim(self, request_id: str, given: bool) -> str | None:
+        """Give request_id to a prompt (given: its own request_id, else its position); -> why
+        it cannot have it (an earlier prompt of the call has it), None when it can."""
+        if self._add(request_id):
+            return None
+        if given:
+            return (
+                f"id {request_id!r} was given to an earlier prompt of this call (a prompt "
+                "without a request_id has its position as id): ids must be unique"
+            )
+        return (
+            f"without a request_id its id is its position, {request_id!r}, but an earlier "
+            "prompt of this call was given that request_id: give this prompt one of its own"
+        )
+
+    def _add(self, request_id: str) -> bool:
+        number = _decimal(request_id)
+        if number is not None:
+            return self._add_number(number)
+        if request_id in self._names:
+            return False
+        self._names.add(request_id)
+        return True
+
+    def _add_number(self, number: int) -> bool:
+        starts, ends = self._starts, self._ends
+        i = bisect_right(starts, number) - 1  # the run starting at or before number
+        if i >= 0 and number < ends[i]:
+            return False
+        left = i >= 0 and ends[i] == number
+        right = i + 1 < len(starts) and starts[i + 1] == number + 1
+        if left and right:  # fills the gap between two runs
+            ends[i] = ends[i + 1]
+            del starts[i + 1], ends[i + 1]
+        elif left:
+            ends[i] = number + 1
+        elif right:
+            starts[i + 1] = number
+        else:
+            starts.insert(i + 1, number)
+            ends.insert(i + 1, number + 1)
+        return True
+
+
+def _decimal(request_id: str) -> int | None:
+    """The number a canonical decimal id writes ("0", "17"; not "017" or "+1"), else None."""
+    if not (0 < len(request_id) <= MAX_DIGITS and request_id.isascii() and request_id.isdigit()):
+        return None
+    if request_id[0] == "0" and len(request_id) > 1:
+        return None
+    return int(request_id)

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
-from batchgen.engine.call_inputs import CallParams, as_prompts, with_params
+from batchgen.engine.call_inputs import CallIds, CallParams, as_prompts, with_params
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
@@ -231,6 +231,7 @@ class Engine:
         source = with_params(as_prompts(prompts), params)
         self._drop_stale_prefixes()
         position = 0  # default ids count the prompts, not the NOT_READY answers
+        ids = CallIds()  # each id once in the call
         exhausted = False
         failure: BaseException | None = None
         self._generating = True
@@ -246,7 +247,7 @@ class Engine:
                     prompt, prompt_params = item
                     if prompt is NOT_READY:
                         break
-                    rejected = self.add_request(prompt, prompt_params, default_id=str(position))
+                    rejected = self.add_request(prompt, prompt_params, str(position), ids)
                     position += 1
                     if rejected is not None:
                         yield rejected
@@ -350,13 +351,22 @@ class Engine:
             )
 
     def add_request(
-        self, prompt: PromptLike, params: SamplingParams, default_id: str
+        self,
+        prompt: PromptLike,
+        params: SamplingParams,
+        default_id: str,
+        ids: CallIds | None = None,
     ) -> RequestOutput | None:
-        """Queue one prompt; -> an error result instead if it cannot run."""
+        """Queue one prompt; -> an error result instead if it cannot run (or, with a call's
+        ids, if an earlier prompt of the call has its id)."""
         self._check_open()
         if not isinstance(prompt, Prompt):
             prompt = Prompt(prompt)
-        request_id = default_id if prompt.request_id is None else str(prompt.request_id)
+        given = prompt.request_id is not None
+        request_id = str(prompt.request_id) if given else default_id
+        taken = None if ids is None else ids.claim(request_id, given)
+        if taken is not None:
+            return RequestOutput(request_id, [], [], "error", f"request {request_id}: {taken}")
         try:
             ids, params, seed, max_tokens = self._check_request(request_id, prompt, params)
         except ValueError as exc:

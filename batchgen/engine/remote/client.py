@@ -36,6 +36,7 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.errors import BatchgenError
 
 if TYPE_CHECKING:  # the command line starts a server before torch is imported
+    from batchgen.engine.call_inputs import CallIds
     from batchgen.engine.request import RequestOutput
 
 WINDOW_SEQS = 2  # prompts sent and not yet taken by the engine: at most this x max_num_seqs
@@ -298,7 +299,7 @@ class EngineProcess:
         """Engine.generate, served: prompts are pulled while the server's window has room (a
         source may yield NOT_READY), results yielded as they come back. Once `stop` is set,
         the server finishes the step in flight and drops what still runs."""
-        from batchgen.engine.call_inputs import as_prompts
+        from batchgen.engine.call_inputs import CallIds, as_prompts
         from batchgen.engine.request import NOT_READY
 
         self._check_open()
@@ -315,12 +316,13 @@ class EngineProcess:
         self.server.send(message)
         window = WINDOW_SEQS * self.config.max_num_seqs
         source, sent = iter(as_prompts(prompts)), 0
+        position, ids = 0, CallIds()  # default ids count the prompts; each id once a call
         ended = end_sent = stopping = done = False
         self._generating = True
         try:
             while True:
                 starved = False
-                rows = []
+                rows, refused = [], []
                 while not (ended or stopping) and sent + len(rows) - self._taken < window:
                     item = next(source, _END)
                     if item is _END:
@@ -329,12 +331,16 @@ class EngineProcess:
                         starved = True
                         break
                     else:
-                        row, ids = pack_prompt(item, str(sent + len(rows)), self.vocab_size)
-                        self._pending[row[0]] = ids
-                        rows.append(row)
+                        row, error = self._pack(item, str(position), ids)
+                        position += 1
+                        if row is not None:
+                            rows.append(row)
+                        else:
+                            refused.append(error)
                 if rows:
                     self.server.send(("prompts", call_id, rows))
                     sent += len(rows)
+                yield from refused
                 if ended and not end_sent:
                     self.server.send(("end", call_id))
                     end_sent = True
@@ -356,6 +362,19 @@ class EngineProcess:
             finally:
                 self._pending = {}
                 self._generating = False
+
+    def _pack(self, item: Any, default_id: str, ids: CallIds) -> tuple[Any, Any]:
+        """-> (the row to send for a prompt, None), its ids kept for its result; or (None,
+        its error result) when an earlier prompt of the call has its id (CallIds)."""
+        from batchgen.engine.request import Prompt, RequestOutput
+
+        row, packed = pack_prompt(item, default_id, self.vocab_size)
+        given = isinstance(item, Prompt) and item.request_id is not None
+        taken = ids.claim(row[0], given)
+        if taken is not None:
+            return None, RequestOutput(row[0], [], [], "error", f"request {row[0]}: {taken}")
+        self._pending[row[0]] = packed
+        return row, None
 
     def has_unfinished(self) -> bool:
         """Whether a prompt sent in the current generate call still has a result to come."""
