@@ -162,3 +162,18 @@ def test_spare_bytes_are_what_the_planned_cache_leaves(monkeypatch) -> None:
     spare = runner.spare_bytes(config, shape, torch.bfloat16, cuda, 1000)
     assert spare == 102 * gib - 1001 * per_block  # free + reserved-unused - cache (+ scratch)
     assert runner.spare_bytes(config, shape, torch.bfloat16, torch.device("cpu"), 1000) == 0
+
+
+def test_text_whose_tokens_the_model_lacks_is_an_error(model_dir) -> None:
+    """A tokenizer with more tokens than the model's vocabulary: a text prompt that tokenizes
+    beyond it is an error result, as token ids are; the others complete."""
+    small = Engine(model_dir("llama", vocab_size=300), EngineConfig(device="cpu"))
+    text = "The weather today is cold and the temperature is low"
+    assert max(small.tokenizer(text).input_ids) >= 300
+    items = [Prompt(text, request_id="text"), Prompt([5, 6, 7], request_id="ids")]
+    outs = {o.request_id: o for o in small.generate(items, SamplingParams(max_new_tokens=3))}
+    assert outs["text"].finish_reason == "error"
+    assert outs["text"].error.startswith("request text: token id ")
+    assert "is outside the vocabulary [0, 300): the tokenizer gives ids" in outs["text"].error
+    assert outs["ids"].finish_reason == "length"
+    small.close()

@@ -725,7 +725,7 @@ class Engine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("text prompt but the engine has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt).input_ids)
+            return self._text_ids(prompt)
         vocab = self.shape.vocab_size
         if type(prompt) is VocabChecked and prompt.vocab == vocab and prompt:
             return list(prompt)  # found inside this vocabulary already (remote/protocol.py)
@@ -741,6 +741,21 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return checked
+
+    def _text_ids(self, text: str) -> list[int]:
+        """A text prompt's ids, each inside the model's vocabulary (a tokenizer larger than the
+        model's embedding would index past it); ValueError."""
+        ids = list(self.tokenizer(text).input_ids)
+        if not ids:
+            raise ValueError("prompt is empty: its text has no tokens")
+        vocab = self.shape.vocab_size
+        bad = outside_vocab(ids, vocab)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {vocab}): the tokenizer gives ids "
+                "the model does not have; pass the model's own tokenizer"
+            )
+        return ids
 
     def _derived_seed(self, key: str) -> int:
         digest = hashlib.blake2b(
