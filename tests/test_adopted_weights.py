@@ -117,3 +117,51 @@ def test_a_checkpoint_of_the_old_weights_is_not_resumed_after_a_change(
             gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "ck", progress=False)
         fresh = gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "new", progress=False)
     assert len(fresh["text"]) == 2
+
+
+def _modes(model: torch.nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
+
+
+def test_a_model_in_train_mode_runs_as_in_eval_mode(model_dir) -> None:
+    """Dropout never applies in the engine's forward passes nor in its start-up check: a model
+    in train mode (whole or in part, before the engine or after) gives the tokens it gives in
+    eval mode, and keeps its modes."""
+    from tests.families import tiny_config
+
+    config = tiny_config("gpt2")
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = random_prompts(3, 6, 12, config.vocab_size, seed=2)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        outs = {o.request_id: o for o in engine.generate(prompts, params, decode=False)}
+        return [outs[str(i)].output_token_ids for i in range(len(prompts))]
+
+    with Engine(model, EngineConfig(device="cpu")) as engine:
+        expected = tokens(engine)
+        model.train()  # after the engine started
+        assert tokens(engine) == expected
+        assert all(_modes(model))
+        model.eval()
+        model.transformer.h[1].train()  # a part of it only
+        modes = _modes(model)
+        assert tokens(engine) == expected
+        assert _modes(model) == modes
+    model.train()  # before the engine: its check passes, its tokens are eval mode's
+    with Engine(model, EngineConfig(device="cpu")) as engine:
+        assert all(_modes(model))
+        assert tokens(engine) == expected
+    assert all(_modes(model))
+
+
+def test_a_model_with_attention_dropout_in_train_mode_is_accepted(model_dir) -> None:
+    path = model_dir("llama", attention_dropout=0.5)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with Engine(model, EngineConfig(device="cpu"), tokenizer=tokenizer) as engine:
+        trained = [o.output_token_ids for o in engine.generate("Hello there", PARAMS)]
+    with Engine(model.eval(), EngineConfig(device="cpu"), tokenizer=tokenizer) as engine:
+        assert [o.output_token_ids for o in engine.generate("Hello there", PARAMS)] == trained

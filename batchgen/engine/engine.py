@@ -230,6 +230,8 @@ class Engine:
         self._check_one_call()
         source = with_params(as_prompts(prompts), params)
         self._drop_stale_prefixes()
+        if self.runner is not None:
+            self.runner.watch_modes()  # a caller's model may be in train mode now
         position = 0  # default ids count the prompts, not the NOT_READY answers
         ids = CallIds()  # each id once in the call
         exhausted = False

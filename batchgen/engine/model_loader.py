@@ -125,6 +125,25 @@ def adopt_model(model: PreTrainedModel, config: EngineConfig) -> tuple[torch.dev
     return device, dtype
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block with every module of `model` in eval mode (no dropout, no other
+    training-only behaviour), then give each module back the mode it had."""
+    training = [module for module in model.modules() if module.training]
+    for module in training:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module in training:
+            module.training = True
+
+
+def has_training_parts(model: torch.nn.Module) -> bool:
+    """Whether any module of `model` is in train mode."""
+    return any(module.training for module in model.modules())
+
+
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What the KV cache stores: the model's dtype, or FP8 E4M3 (kv_cache_dtype='fp8')."""
     if config.kv_cache_dtype != "fp8":

@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.engine.attention import attention_audit, attention_scope
+from batchgen.engine.model_loader import eval_mode
 from batchgen.engine.quant.check import fp8_probe_mode, fp8_product_error
 from batchgen.engine.quant.convert import is_quantized
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, round_to_fp8
@@ -68,12 +69,17 @@ class ModelRefused(BatchgenError):
 
 
 def check_model(engine: Engine) -> None:
-    """Raise ModelRefused unless the engine reproduces the model's own forward pass."""
+    """Raise ModelRefused unless the engine reproduces the model's own forward pass, both in
+    eval mode (a model in train mode is switched for the check, then given back so)."""
     family = getattr(engine.model.config.get_text_config(), "model_type", "this") or "this"
     fp8 = is_quantized(engine.model)
     if fp8 and (reason := fp8_product_error(engine.model, engine.dtype)) is not None:
         raise _refuse(family, reason)
-    with _eager_steps(engine), fp8_probe_mode() if fp8 else contextlib.nullcontext():
+    with (
+        eval_mode(engine.model),  # the reference pass as the engine's: no dropout
+        _eager_steps(engine),
+        fp8_probe_mode() if fp8 else contextlib.nullcontext(),
+    ):
         _compare(engine, family)
 
 

@@ -23,7 +23,7 @@ from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.fusion import Fusion
 from batchgen.engine.graphs import StepGraphs, token_sizes
-from batchgen.engine.model_loader import ModelShape
+from batchgen.engine.model_loader import ModelShape, eval_mode, has_training_parts
 from batchgen.engine.sampler import PenaltyState, Sampler
 from batchgen.engine.scheduler import Batch
 from batchgen.engine.step_inputs import HostStep, Pad, StepPacker
@@ -33,6 +33,7 @@ from batchgen.engine.transfer import StepOutput, Transfer
 from batchgen.errors import BatchgenError
 
 _GIB = 1024**3
+_AS_IT_IS = contextlib.nullcontext()
 
 
 def plan_num_blocks(
@@ -228,6 +229,9 @@ class ModelRunner:
         self.fusion: Fusion | None = None
         # a caller's model keeps its own attention outside batchgen's forward passes
         self.scope = partial(attention_scope, model) if adopted else contextlib.nullcontext
+        # forward passes run in eval mode whatever mode the model is in (no dropout): set
+        # when a part of it was in train mode as the engine last looked (watch_modes)
+        self.training_parts = has_training_parts(model)
         if config.fused_ops and device.type == "cuda" and uses_triton(self.backend):
             self.fusion = Fusion(model)
             self.fusion.on()
@@ -284,11 +288,20 @@ class ModelRunner:
             self.penalties = PenaltyState(self.relay.shape[0], self.shape.vocab_size, self.device)
         return self.penalties
 
+    def watch_modes(self) -> None:
+        """Look again whether a part of the model is in train mode (a caller's model may have
+        been switched since): forward passes then switch it to eval mode and back."""
+        self.training_parts = has_training_parts(self.model)
+
     def forward(self, flat: torch.Tensor, host: HostStep) -> torch.Tensor:
-        """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts."""
+        """-> logits [S, vocab] of the sampled rows. Capturable for decode-only layouts. The
+        model runs in eval mode (the root's flag is read each step: model.train() between
+        calls or steps is seen)."""
         step = unpack_step(flat, host.layout)
         ids, meta = self._metadata(host, step)
-        with self.scope(), step_context(meta):
+        training = self.training_parts or self.model.training
+        modes = eval_mode(self.model) if training else _AS_IT_IS
+        with self.scope(), step_context(meta), modes:
             out = self.model(
                 input_ids=ids[None],
                 position_ids=step.positions[None],
