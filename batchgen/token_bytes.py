@@ -6,8 +6,9 @@ byte-fallback token (`<0xE2>`, Llama 2, Mistral) may hold part of a UTF-8 charac
 decodes to U+FFFD. The bytes are read off the token's vocabulary entry instead, as its
 tokenizer's decoder would turn it into bytes: byte-level entries through GPT-2's byte table,
 byte-fallback entries as the byte they name, word-piece markers (`▁`) as the text they stand
-for. Special tokens add nothing (the text leaves them out); any other tokenizer's tokens are
-decoded alone.
+for. A special token is its own string (`</s>`, `<|eot_id|>`), as vLLM shows it, although the
+text leaves it out: tokens that add nothing would all show as the same empty string. Any other
+tokenizer's tokens are decoded alone.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class TokenBytes:
         return out
 
     def _bytes(self, token_id: int) -> bytes:
-        if token_id in self.special:
-            return b""
+        if token_id in self.special:  # as vLLM decodes it
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
         if token_id in self.added:
             return self.added[token_id].encode("utf-8")
         piece = self.tokenizer.convert_ids_to_tokens(token_id)

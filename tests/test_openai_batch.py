@@ -10,14 +10,17 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from transformers import AutoTokenizer
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
 from batchgen.formats.openai_batch.requests import parse_request
+from batchgen.formats.openai_batch.results import _text_choice
 from batchgen.job import run_job
 from batchgen.token_bytes import TokenBytes
 from tests.helpers import stop_after
 from tests.test_job import spec_for, write_jsonl
+from tests.test_token_bytes import sentencepiece_style
 
 openai_types = pytest.importorskip("openai.types")
 pydantic = pytest.importorskip("pydantic")
@@ -454,3 +457,27 @@ def test_validate_reports_lines_that_cannot_run(model: Path, tmp_path: Path) -> 
     report = result.output.strip().splitlines()[-1]
     assert "5 lines, 3 invalid" in report and "1 model_not_found" in report
     assert "1 invalid_url" in report and "1 unsupported_value" in report
+
+
+def _completion_top_logprobs(tokenizer: Any, ids: list[int]) -> dict[str, float]:
+    """The top_logprobs dict of a completion choice whose one token has `ids` as its top."""
+    top = [{"token_id": i, "logprob": -1.0 - n} for n, i in enumerate(ids)]
+    row = {"text": "", "finish_reason": "length", "sample_index": 0}
+    row["logprobs"] = [{"token_id": ids[0], "logprob": -1.0, "top_logprobs": top}]
+    choice = _text_choice(row, TokenBytes(tokenizer))
+    return choice["logprobs"]["top_logprobs"][0]
+
+
+def test_completion_top_logprobs_keep_every_entry(model: Path, tmp_path: Path) -> None:
+    """Special tokens show as their own strings, and two tokens of the same text (a
+    byte-fallback token and the piece for that character) do not share one key."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    special = tokenizer.all_special_ids
+    top = _completion_top_logprobs(tokenizer, [*special, 10])
+    assert len(top) == len(special) + 1
+    assert set(tokenizer.convert_ids_to_tokens(special)) <= set(top)
+    pieces = sentencepiece_style(tmp_path)
+    same = [pieces.convert_tokens_to_ids("l"), pieces.convert_tokens_to_ids("<0x6C>")]
+    assert TokenBytes(pieces).text(same[0]) == TokenBytes(pieces).text(same[1]) == "l"
+    top = _completion_top_logprobs(pieces, same)
+    assert top == {"l": -1.0, f"token_id:{same[1]}": -2.0}  # the likelier one keeps the text

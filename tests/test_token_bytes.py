@@ -26,7 +26,18 @@ def test_byte_level_tokens_give_their_bytes(model_dir) -> None:
         assert "\\x" in tokens.text(i)
     whole = [i for i in ids if i not in partial]
     assert all(tokens.text(i) == tokenizer.decode([i]) for i in whole)
-    assert tokens(tokenizer.eos_token_id) == b"" and tokens.text(tokenizer.eos_token_id) == ""
+
+
+def test_special_tokens_show_as_their_own_strings(model_dir) -> None:
+    """As vLLM shows them: each special token its own string, never all the same empty one."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokens = TokenBytes(tokenizer)
+    special = tokenizer.all_special_ids
+    assert len(special) > 1
+    texts = [tokens.text(i) for i in special]
+    assert texts == tokenizer.convert_ids_to_tokens(special) and len(set(texts)) == len(texts)
+    assert all(tokens(i) == t.encode() for i, t in zip(special, texts, strict=True))
+    assert tokens.text(tokenizer.eos_token_id) == tokenizer.eos_token
 
 
 def sentencepiece_style(tmp_path: Path) -> PreTrainedTokenizerFast:

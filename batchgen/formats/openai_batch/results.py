@@ -165,10 +165,7 @@ def _text_choice(row: Row, tokens: TokenBytes) -> Row:
         logprobs = {
             "tokens": [tokens.text(lp["token_id"]) for lp in entries],
             "token_logprobs": [lp["logprob"] for lp in entries],
-            "top_logprobs": [
-                {tokens.text(t["token_id"]): t["logprob"] for t in lp["top_logprobs"]}
-                for lp in entries
-            ],
+            "top_logprobs": [_top_logprobs(lp["top_logprobs"], tokens) for lp in entries],
             "text_offset": None,  # offsets into prompt + completion text are not tracked
         }
     return {
@@ -177,3 +174,19 @@ def _text_choice(row: Row, tokens: TokenBytes) -> Row:
         "logprobs": logprobs,
         "finish_reason": row["finish_reason"],
     }
+
+
+def _top_logprobs(top: list[Row], tokens: TokenBytes) -> dict[str, float]:
+    """One position's top logprobs keyed by token text, as the completions format keys them.
+    Two tokens can show the same text (a byte-fallback `<0x41>` and the piece `A`): the less
+    likely one is then keyed `token_id:N`, as vLLM's --return-tokens-as-token-ids keys tokens,
+    so that no entry is lost."""
+    out: dict[str, float] = {}
+    for entry in top:
+        key = tokens.text(entry["token_id"])
+        if key in out:
+            key = f"token_id:{entry['token_id']}"
+        if key in out:
+            raise RuntimeError(f"two top logprobs entries for token {key!r}")
+        out[key] = entry["logprob"]
+    return out
