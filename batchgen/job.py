@@ -21,12 +21,7 @@ from tqdm import tqdm
 
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
-from batchgen.engine.model_path import (
-    DEFAULT_MODEL,
-    check_max_model_len,
-    folder_context,
-    resolve_model_path,
-)
+from batchgen.engine.model_path import check_max_model_len, model_context, resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.client import EngineProcess, EngineServer, RemoteRecorder
 from batchgen.engine.remote.placement import off_cores
@@ -358,12 +353,7 @@ def check_model_before_load(spec: JobSpec) -> None:
     """What loading the model would refuse first, found without loading it: a local model
     path that does not exist, a max_model_len over the context its config.json gives (the
     embedded default's: the shape it is built with; it is not built here)."""
-    if spec.model.path == DEFAULT_MODEL:
-        from batchgen.models import DEFAULT_MODEL_SHAPE
-
-        limit = DEFAULT_MODEL_SHAPE.max_position_embeddings
-    else:
-        limit = folder_context(resolve_model_path(spec.model.path))
+    limit = model_context(spec.model.path)
     if limit is not None:
         check_max_model_len(spec.engine.max_model_len, limit)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from pathlib import Path
@@ -448,7 +449,8 @@ def test_published_batch_files_run_unchanged(
     assert {x.custom_id: err(x).code for x in errors} == failed
 
 
-def test_validate_reports_lines_that_cannot_run(model: Path, tmp_path: Path) -> None:
+def test_validate_reports_lines_that_cannot_run(model_dir, tmp_path: Path) -> None:
+    model = model_dir("llama", max_position_embeddings=2048)  # max_tokens 1000 fit
     inp = write_jsonl(tmp_path / "vllm.jsonl", VLLM_TEST_INPUT)
     args = ["validate", "--format", "openai-batch", "--input", str(inp), "--output", "o"]
     served = "model.served_model_name=['hmellor/tiny-random-LlamaForCausalLM']"
@@ -481,3 +483,41 @@ def test_completion_top_logprobs_keep_every_entry(model: Path, tmp_path: Path) -
     assert TokenBytes(pieces).text(same[0]) == TokenBytes(pieces).text(same[1]) == "l"
     top = _completion_top_logprobs(pieces, same)
     assert top == {"l": -1.0, f"token_id:{same[1]}": -2.0}  # the likelier one keeps the text
+
+
+def _validate_codes(model: Path, inp: Path, *sets: str) -> collections.Counter[str]:
+    """The error codes `batchgen validate` counts, from its report line."""
+    args = ["validate", "--format", "openai-batch", "--input", str(inp), "--output", "o"]
+    args += ["--model", str(model), *(a for s in sets for a in ("--set", s))]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = result.output.strip().splitlines()[-1]
+    return collections.Counter(
+        {code: int(n) for n, code in re.findall(r"(\d+) ([a-z_]+) \(e\.g\. line", report)}
+    )
+
+
+def test_validate_finds_every_line_the_run_refuses(model: Path, tmp_path: Path) -> None:
+    """validate builds each line as the run does: rules between fields and the job's values,
+    the context, the system prompt, duplicated custom_ids."""
+    rows = [
+        request("a", max_tokens=3),
+        request("a", max_tokens=3),
+        request("both", guided_choice=["x"], guided_regex="y"),
+        request("minmax", max_tokens=2, min_tokens=5),
+        request("big", max_tokens=60),
+        request("mct", max_completion_tokens=60),
+        request("long", prompt=" ".join(["word"] * 300), url=COMPLETIONS),
+        request("other", model="other-model"),
+        request("emb", "/v1/embeddings"),
+        '{"custom_id": "broken", ',
+        request("comp", COMPLETIONS, max_tokens=3),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    for n, sets in enumerate([(), ("prompt.system_prompt='Be brief.'",)]):
+        sets = ("runtime.max_model_len=64", "runtime.device='cpu'", *sets)
+        assert run(model, inp, tmp_path / f"out{n}", *sets).complete
+        errors = read_lines(tmp_path / f"out{n}" / "errors.jsonl")
+        ran = collections.Counter(err(x).code for x in errors)
+        assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 3 - n
+        assert _validate_codes(model, inp, *sets) == ran

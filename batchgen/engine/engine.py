@@ -41,7 +41,7 @@ from batchgen.engine.model_loader import (
     set_cpu_threads,
     weights_version,
 )
-from batchgen.engine.model_path import check_max_model_len
+from batchgen.engine.model_path import check_max_model_len, prompt_over_context
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
@@ -700,11 +700,9 @@ class Engine:
         elif prompt.sampling:
             params = params.replace(**prompt.sampling)
         ids = self._prompt_ids(prompt.prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the model's context is "
-                f"{self.max_model_len} (max_model_len): shorten the prompt"
-            )
+        over = prompt_over_context(len(ids), self.max_model_len)
+        if over is not None:
+            raise ValueError(over)
         max_tokens = min(len(ids) + params.max_new_tokens, self.max_model_len)
         needed = blocks_for(max_tokens, self.config.block_size)
         if needed > self.num_blocks:

@@ -57,3 +57,32 @@ def folder_context(folder: str) -> int | None:
     text = config.get("text_config")
     limit = (text if isinstance(text, dict) else config).get("max_position_embeddings")
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def model_context(model: str, fetch: bool = False) -> int | None:
+    """The context a job's model has (max_position_embeddings), read off its config.json
+    without loading it: the embedded default's shape, a local folder's; with fetch, a hub id's
+    (its config.json fetched, or taken from the cache). None where it cannot be had."""
+    if model == DEFAULT_MODEL:
+        from batchgen.models import DEFAULT_MODEL_SHAPE
+
+        return DEFAULT_MODEL_SHAPE.max_position_embeddings
+    source = resolve_model_path(model)
+    if Path(source).is_dir() or not fetch:
+        return folder_context(source)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return folder_context(str(Path(hf_hub_download(source, "config.json")).parent))
+    except Exception:  # not a hub id, offline and not cached: the run says why
+        return None
+
+
+def prompt_over_context(prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt cannot run in the model's context (no room left for a token), else None."""
+    if prompt_tokens < max_model_len:
+        return None
+    return (
+        f"prompt has {prompt_tokens} tokens but the model's context is {max_model_len} "
+        "(max_model_len): shorten the prompt"
+    )

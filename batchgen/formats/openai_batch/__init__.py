@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from batchgen.engine.model_path import model_context
+from batchgen.engine.tokenizer_loader import load_tokenizer
 from batchgen.errors import BatchgenError
 from batchgen.formats.base import FinalFiles
 from batchgen.formats.openai_batch.builder import PROMPT_KEYS, RequestBuilder
 from batchgen.formats.openai_batch.reader import open_batch_file
 from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH_TYPES
-from batchgen.formats.openai_batch.results import write_openai_results
+from batchgen.formats.openai_batch.results import line_error, write_openai_results
 from batchgen.io import InputSource, OutputLayout
 from batchgen.io.readers import OPENAI_BATCH
 from batchgen.prompts import PromptConfig
@@ -68,23 +71,48 @@ class OpenAIBatchFormat:
         return FinalFiles(str(results), str(errors))
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
-        """How many lines cannot run, by error code, with the first message of each."""
+        """How many lines cannot run, by error code, with the first message of each: each
+        line built as the run builds it (the model's tokenizer and context, the job's
+        sampling), a duplicated custom_id found as the run finds it."""
+        tokenizer = load_tokenizer(spec.model.path)
+        if tokenizer is None:
+            raise BatchgenError(
+                f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one"
+            )
+        context = spec.engine.max_model_len or model_context(spec.model.path, fetch=True)
+        builder = self.builder(spec, tokenizer, (context or UNKNOWN_CONTEXT) - 1)
         codes: collections.Counter[str] = collections.Counter()
         first: dict[str, str] = {}
         lines = 0
-        names = spec.model.names
-        for batch in source.batches():
-            for row in batch:
-                lines += 1
-                values = row.values or {}
-                code, message = values.get("error_code"), values.get("error_message")
-                if code is None and values.get("model") not in (None, *names):
-                    code, message = "model_not_found", f"model {values['model']!r} is not served"
-                if code is not None:
-                    codes[code] += 1
-                    first.setdefault(code, f"line {values.get('line')}: {message}")
+        for error in _line_errors(builder, source):
+            lines += 1
+            if error is not None:
+                codes[error["code"]] += 1
+                first.setdefault(error["code"], f"line {error['line']}: {error['message']}")
+        unknown = "" if context else " (the model's context is unknown: not checked against it)"
         if not codes:
-            return f"{source.description}, {lines:,} lines, all valid"
+            return f"{source.description}, {lines:,} lines, all valid{unknown}"
         parts = "; ".join(f"{n} {code} (e.g. {first[code]})" for code, n in codes.most_common())
         bad = sum(codes.values())
-        return f"{source.description}, {lines:,} lines, {bad} invalid: {parts}"
+        return f"{source.description}, {lines:,} lines, {bad} invalid: {parts}{unknown}"
+
+
+UNKNOWN_CONTEXT = 2**40  # stands for a context that cannot be had: no line is over it
+
+
+def _line_errors(builder: RequestBuilder, source: InputSource) -> Iterator[dict[str, Any] | None]:
+    """Each line's error object as the output's error file gives it; None for a line that
+    runs."""
+    seen: set[str] = set()
+    for batch in source.batches():
+        rows = [(row.index, row.values or {}) for row in batch]
+        for raw, built in zip(batch, builder.build_many(rows), strict=True):
+            custom_id = built.id or None
+            duplicate = custom_id in seen
+            if custom_id is not None:
+                seen.add(custom_id)
+            message = built.error if raw.values is not None else raw.error
+            if message is None and not duplicate:
+                yield None
+            else:
+                yield line_error({"error": message, **built.passthrough}, custom_id, duplicate)

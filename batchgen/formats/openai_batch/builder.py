@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.engine.model_path import prompt_over_context
 from batchgen.engine.sampling_params import STRUCTURED, SamplingParams
 from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH, SAMPLING_COLUMN
 from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
@@ -83,9 +84,14 @@ class RequestBuilder:
     def _within_context(self, row: RowPrompt) -> RowPrompt:
         """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its
         prompt in the context is an error line, not one cut short at the context."""
+        if row.prompt_ids is None:
+            return row
+        over = prompt_over_context(len(row.prompt_ids), self.context)
+        if over is not None:  # refused here as the engine would, so validate finds it
+            return row._replace(prompt_ids=None, overrides={}, error=over)
         asked = row.overrides.get("max_new_tokens")
-        if row.prompt_ids is None or asked is None or len(row.prompt_ids) >= self.context:
-            return row  # a prompt over the context is refused as such
+        if asked is None:
+            return row
         room = self.context - len(row.prompt_ids)
         if asked <= room:
             return row

@@ -90,7 +90,10 @@ def _emit(
 STATUS = {"model_not_found": 404}  # error code -> HTTP status; any other: 400
 
 
-def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
+def line_error(row: Row, custom_id: str | None, duplicate: bool) -> Row:
+    """The error object of a failed line (`batchgen validate` counts the same): row holds
+    `error` (the message) and the pass-through `error_code`, `error_param` and `line`; a
+    duplicated custom_id is the line's error, whatever else is wrong with it."""
     error = {
         "message": row["error"],
         "type": "invalid_request_error",
@@ -101,6 +104,11 @@ def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
     if duplicate:
         message = f"custom_id {custom_id!r} is used by an earlier line: make custom_ids unique"
         error.update(code="duplicate_custom_id", message=message, param="custom_id")
+    return error
+
+
+def _failure(row: Row, custom_id: str | None, duplicate: bool) -> Row:
+    error = line_error(row, custom_id, duplicate)
     index = row["index"]
     response = {
         "status_code": STATUS.get(error["code"], 400),
