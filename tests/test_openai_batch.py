@@ -15,9 +15,11 @@ from transformers import AutoTokenizer
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
+from batchgen.formats.openai_batch.builder import RequestBuilder
 from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.formats.openai_batch.results import _text_choice
 from batchgen.job import run_job
+from batchgen.prompts import PromptConfig
 from batchgen.token_bytes import TokenBytes
 from tests.helpers import stop_after
 from tests.test_job import spec_for, write_jsonl
@@ -276,7 +278,7 @@ def test_body_fields_map_onto_sampling() -> None:
     expected = {"logprobs": 3, "stop": ("x",), "max_new_tokens": 7, "n": 2}
     assert chat["sampling"] == expected
     plain = parse_request(request("b", logprobs=False, top_p=0.5, temperature=None), None, 2)
-    assert plain["sampling"] == {"top_p": 0.5}
+    assert plain["sampling"] == {"top_p": 0.5, "logprobs": None}  # off, whatever the job's
     text = parse_request(request("c", COMPLETIONS, logprobs=0, presence_penalty=0.5), None, 3)
     assert text["prompt"] == "Once upon a time c"
     assert text["sampling"] == {"logprobs": 0, "presence_penalty": 0.5}
@@ -521,3 +523,33 @@ def test_validate_finds_every_line_the_run_refuses(model: Path, tmp_path: Path) 
         ran = collections.Counter(err(x).code for x in errors)
         assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 3 - n
         assert _validate_codes(model, inp, *sets) == ran
+
+
+def test_a_lines_explicit_value_wins_over_the_jobs(model: Path) -> None:
+    """A value a line gives, an "off" one included (chat `logprobs: false`, `ignore_eos:
+    false`, `stop: []`), replaces the job's; a field it leaves out or gives as null takes the
+    job's."""
+    job = SamplingParams(
+        logprobs=2, ignore_eos=True, include_stop_str_in_output=True, stop=("x",), seed=4,
+        stop_token_ids=(5,), top_k=3, min_new_tokens=1, repetition_penalty=1.2,
+    )  # fmt: skip
+    builder = RequestBuilder(PromptConfig(), AutoTokenizer.from_pretrained(model), 511, job, ())
+
+    def params(url: str = CHAT, **body: Any) -> SamplingParams:
+        values = parse_request(request("a", url, max_tokens=4, **body), None, 1)
+        built = builder.build(0, values)
+        assert built.error is None, built.error
+        return job.replace(**built.overrides)
+
+    off = {"ignore_eos": False, "include_stop_str_in_output": False, "stop": []}
+    off |= {"stop_token_ids": [], "top_k": -1, "min_tokens": 0, "repetition_penalty": 1}
+    got = params(logprobs=False, **off)
+    assert got.logprobs is None and not got.ignore_eos and not got.include_stop_str_in_output
+    assert got.stop == () and got.stop_token_ids == () and got.top_k == 0
+    assert got.min_new_tokens == 0 and got.repetition_penalty == 1
+    assert params(logprobs=True).logprobs == 0
+    assert params(logprobs=True, top_logprobs=0).logprobs == 0
+    assert params(COMPLETIONS, logprobs=0).logprobs == 0
+    kept = params(logprobs=None, seed=None, stop=None)  # null: as if left out
+    assert (kept.logprobs, kept.seed, kept.stop) == (2, 4, ("x",))
+    assert params(COMPLETIONS, logprobs=None).logprobs == 2

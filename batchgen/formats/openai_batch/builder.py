@@ -32,7 +32,7 @@ class RequestBuilder:
             "truncate": config.truncate,
         }
         # a line's own response_format (or guided_*) replaces the job's structured setting,
-        # which is only the default for lines that give none (_own_format)
+        # which is only the default for lines that give none (_prepare)
         off = {field: getattr(SamplingParams(), field) for field in STRUCTURED}
         self.job_format = {
             k: getattr(sampling, k) for k in STRUCTURED if getattr(sampling, k) != off[k]
@@ -49,10 +49,8 @@ class RequestBuilder:
 
     def build_many(self, rows: list[tuple[int, dict[str, Any]]]) -> list[RowPrompt]:
         """Error lines as error rows; chat and completion bodies each tokenized in a batch."""
-        own = [self._own_format(values) for _, values in rows]
-        rows = [
-            (i, v if o else self._with_job_format(v)) for (i, v), o in zip(rows, own, strict=True)
-        ]
+        prepared = [self._prepare(values) for _, values in rows]
+        rows = [(index, values) for (index, _), (values, _) in zip(rows, prepared, strict=True)]
         out: list[RowPrompt | None] = [self._error_row(index, values) for index, values in rows]
         for builder, chat in ((self.chat, True), (self.text, False)):
             todo = [
@@ -61,25 +59,27 @@ class RequestBuilder:
                 if out[i] is None and (values.get("messages") is not None) is chat
             ]
             for i, built in zip(todo, builder.build_many([rows[i] for i in todo]), strict=True):
-                if own[i] and built.prompt_ids is not None:  # the engine's base is the job's
-                    built = built._replace(overrides={**self.job_off, **built.overrides})
+                off = prepared[i][1]
+                if off and built.prompt_ids is not None:  # the engine's base is the job's
+                    built = built._replace(overrides={**off, **built.overrides})
                 out[i] = self._within_context(built)
         return out
 
-    def _own_format(self, values: dict[str, Any]) -> bool:
-        """The line gives its own structured setting (text included) where the job has one."""
+    def _prepare(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """-> (the line's values as PromptBuilder checks them, the job's settings the line turns
+        off). A line's own structured setting (text included) replaces the job's; without one,
+        the job's is checked with the line's values as the engine will run them. A field the
+        line turned off (None: chat `logprobs: false`) overrides the job's value."""
         own = values.get(SAMPLING_COLUMN)
-        return (
-            bool(self.job_format) and isinstance(own, dict) and not set(own).isdisjoint(STRUCTURED)
-        )
-
-    def _with_job_format(self, values: dict[str, Any]) -> dict[str, Any]:
-        """The line's values with the job's structured setting: it is checked with the line's
-        own values as the engine will run them."""
-        own = values.get(SAMPLING_COLUMN)
-        if not self.job_format or not isinstance(own, dict):
-            return values
-        return {**values, SAMPLING_COLUMN: {**self.job_format, **own}}
+        if not isinstance(own, dict):
+            return values, {}
+        off = {field: None for field, value in own.items() if value is None}
+        given = {field: value for field, value in own.items() if value is not None}
+        if self.job_format and not set(given).isdisjoint(STRUCTURED):
+            off = {**self.job_off, **off}
+        elif self.job_format:
+            given = {**self.job_format, **given}
+        return {**values, SAMPLING_COLUMN: given}, off
 
     def _within_context(self, row: RowPrompt) -> RowPrompt:
         """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its

@@ -196,16 +196,18 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
             field = SAMPLING_FIELDS[key]
             out[field] = tuple(value) if isinstance(value, list) else value
             source[field] = key
-    logprobs = _logprobs(url, given)
-    if logprobs is not None:
-        out["logprobs"] = logprobs
+    if "logprobs" in given:  # chat's `logprobs: false` is None: off, whatever the job's
+        out["logprobs"] = _logprobs(url, given)
         source["logprobs"] = "top_logprobs" if "top_logprobs" in given else "logprobs"
+    elif "top_logprobs" in given:
+        _logprobs(url, given)  # refused: it needs logprobs: true
     if RESPONSE_FORMAT in given:
         field, value = _response_format(given[RESPONSE_FORMAT])
         out[field] = value
         source[field] = RESPONSE_FORMAT
     for field, key in source.items():
-        _check_value(key, field, out[field])
+        if out[field] is not None:
+            _check_value(key, field, out[field])
     return out
 
 
