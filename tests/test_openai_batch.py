@@ -553,3 +553,19 @@ def test_a_lines_explicit_value_wins_over_the_jobs(model: Path) -> None:
     kept = params(logprobs=None, seed=None, stop=None)  # null: as if left out
     assert (kept.logprobs, kept.seed, kept.stop) == (2, 4, ("x",))
     assert params(COMPLETIONS, logprobs=None).logprobs == 2
+
+
+def test_an_empty_structured_constraint_is_refused(model: Path, tmp_path: Path) -> None:
+    """An empty choice would constrain nothing (and switch off the job's setting): refused;
+    an empty regex too; an empty schema is any JSON, honoured."""
+    empty = parse_request(request("d", guided_choice=[]), None, 4)
+    assert (empty["error_code"], empty["error_param"]) == ("invalid_value", "guided_choice")
+    assert parse_request(request("e", guided_regex=""), None, 5)["error_param"] == "guided_regex"
+    assert parse_request(request("f", guided_json={}), None, 6)["sampling"] == {"json_schema": {}}
+    rows = [request("empty", guided_choice=[], max_tokens=4), request("job", max_tokens=4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(model, inp, tmp_path / "out", "sampling.regex='[0-9]{4}'").complete
+    (bad,) = read_lines(tmp_path / "out" / "errors.jsonl")
+    assert bad.custom_id == "empty" and err(bad).param == "guided_choice"
+    (ok,) = read_lines(tmp_path / "out" / "results.jsonl")
+    assert re.fullmatch("[0-9]{4}", ok.response.body.choices[0].message.content)

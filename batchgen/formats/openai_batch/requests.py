@@ -189,6 +189,7 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
         )
     if isinstance(given.get("stop"), str):
         given["stop"] = [given["stop"]]
+    _check_constraints(given)
     out: dict[str, Any] = {}
     source: dict[str, str] = {}  # SamplingParams field -> the body field it came from
     for key, value in given.items():
@@ -209,6 +210,16 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
         if out[field] is not None:
             _check_value(key, field, out[field])
     return out
+
+
+def _check_constraints(given: dict[str, Any]) -> None:
+    """No empty structured output constraint (an empty choice would constrain nothing)."""
+    if given.get("guided_choice") == []:
+        raise RequestError(
+            "invalid_value",
+            "guided_choice=[] constrains nothing: give at least one string, or leave it out",
+            "guided_choice",
+        )
 
 
 def _response_format(value: Any) -> tuple[str, Any]:
