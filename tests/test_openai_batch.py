@@ -521,7 +521,7 @@ def test_validate_finds_every_line_the_run_refuses(model: Path, tmp_path: Path) 
         assert run(model, inp, tmp_path / f"out{n}", *sets).complete
         errors = read_lines(tmp_path / f"out{n}" / "errors.jsonl")
         ran = collections.Counter(err(x).code for x in errors)
-        assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 3 - n
+        assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 2 - n
         assert _validate_codes(model, inp, *sets) == ran
 
 
@@ -553,6 +553,29 @@ def test_a_lines_explicit_value_wins_over_the_jobs(model: Path) -> None:
     kept = params(logprobs=None, seed=None, stop=None)  # null: as if left out
     assert (kept.logprobs, kept.seed, kept.stop) == (2, 4, ("x",))
     assert params(COMPLETIONS, logprobs=None).logprobs == 2
+
+
+def test_a_line_takes_one_structured_constraint() -> None:
+    """Two constraints on a line are refused naming both: neither silently wins."""
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string"}}}
+    given = {
+        "guided_json": {"type": "object"},
+        "guided_regex": "[0-9]+",
+        "guided_choice": ["a", "b"],
+        "response_format": schema,
+    }
+    names = list(given)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            body = {first: given[first], second: given[second]}
+            line = parse_request(request("a", **body), None, 1)
+            assert (line["error_code"], line["error_param"]) == ("invalid_value", second), body
+            assert f"{first} and {second} are both given" in line["error_message"]
+        both = {first: given[first], "response_format": {"type": "json_object"}}
+        if first != "response_format":
+            assert parse_request(request("b", **both), None, 2)["error_param"] == "response_format"
+            text = {first: given[first], "response_format": {"type": "text"}}
+            assert parse_request(request("c", **text), None, 3)["error_code"] is None
 
 
 def test_an_empty_structured_constraint_is_refused(model: Path, tmp_path: Path) -> None:

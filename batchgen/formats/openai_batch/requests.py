@@ -83,6 +83,7 @@ HARMLESS: dict[str, tuple[Any, ...] | None] = {
     "suffix": ("",),
     "best_of": (1,),
 }
+GUIDED = ("guided_json", "guided_regex", "guided_choice")  # vLLM's structured outputs
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
 RESPONSE_FORMAT = "response_format"  # text, json_object or json_schema (structured outputs)
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
@@ -213,7 +214,20 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_constraints(given: dict[str, Any]) -> None:
-    """No empty structured output constraint (an empty choice would constrain nothing)."""
+    """At most one structured output constraint (none may silently win over another), and no
+    empty one (an empty choice would constrain nothing)."""
+    named = [key for key in GUIDED if key in given]
+    kind = given.get(RESPONSE_FORMAT)
+    if not (isinstance(kind, dict) and kind.get("type") == "text") and RESPONSE_FORMAT in given:
+        named.append(RESPONSE_FORMAT)
+    if len(named) > 1:
+        raise RequestError(
+            "invalid_value",
+            f"{named[0]} and {named[1]} are both given: a request takes at most one structured "
+            f"output constraint ({', '.join(GUIDED)} or a {RESPONSE_FORMAT} of type "
+            "json_object or json_schema)",
+            named[1],
+        )
     if given.get("guided_choice") == []:
         raise RequestError(
             "invalid_value",
