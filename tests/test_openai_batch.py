@@ -592,3 +592,24 @@ def test_an_empty_structured_constraint_is_refused(model: Path, tmp_path: Path) 
     assert bad.custom_id == "empty" and err(bad).param == "guided_choice"
     (ok,) = read_lines(tmp_path / "out" / "results.jsonl")
     assert re.fullmatch("[0-9]{4}", ok.response.body.choices[0].message.content)
+
+
+def test_token_ids_are_written_as_vllms_fields(model: Path, tmp_path: Path) -> None:
+    """output.include_token_ids: a chat completion's prompt ids in its body, a completion's in
+    each choice, and each choice's generated ids, as vLLM's return_token_ids writes them."""
+    rows = [request("c", n=2, max_tokens=3), request("t", COMPLETIONS, max_tokens=4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(model, inp, tmp_path / "out", "output.include_token_ids=true").complete
+    chat, text = (json.loads(x) for x in (tmp_path / "out" / "results.jsonl").open())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    body = chat["response"]["body"]
+    assert len(body["prompt_token_ids"]) == body["usage"]["prompt_tokens"]
+    messages = rows[0]["body"]["messages"]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert body["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    assert [len(c["token_ids"]) for c in body["choices"]] == [3, 3]
+    assert all(tokenizer.decode(c["token_ids"]) for c in body["choices"])
+    (choice,) = text["response"]["body"]["choices"]
+    assert choice["prompt_token_ids"] == tokenizer("Once upon a time t").input_ids
+    assert len(choice["token_ids"]) == 4
+    assert "prompt_token_ids" not in text["response"]["body"]

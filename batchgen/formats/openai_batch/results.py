@@ -125,20 +125,35 @@ def _success(
     index, chat = first["index"], first.get("url") == CHAT_URL
     prompt_tokens = first["num_prompt_tokens"]
     completion_tokens = sum(r["num_generated_tokens"] for r in rows)
-    body = {
+    choices = [_chat_choice(r, tokens) if chat else _text_choice(r, tokens) for r in rows]
+    body: Row = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{index}",
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": first.get("model") or model,
-        "choices": [_chat_choice(r, tokens) if chat else _text_choice(r, tokens) for r in rows],
+        "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if first.get("prompt_token_ids") is not None:  # output.include_token_ids: as vLLM's
+        _add_token_ids(body, rows, chat)
     response = {"status_code": 200, "request_id": f"req_{index}", "body": body}
     return {"id": f"batch_req_{index}", "custom_id": custom_id, "response": response, "error": None}
+
+
+def _add_token_ids(body: Row, rows: list[Row], chat: bool) -> None:
+    """The token ids as vLLM's return_token_ids gives them: a chat completion's prompt ids in
+    the body, a text completion's in each choice; each choice's generated ids (`token_ids`)."""
+    prompt_ids = rows[0]["prompt_token_ids"]
+    if chat:
+        body["prompt_token_ids"] = prompt_ids
+    for choice, row in zip(body["choices"], rows, strict=True):
+        if not chat:
+            choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = row["token_ids"]
 
 
 def _chat_choice(row: Row, tokens: TokenBytes) -> Row:
