@@ -613,3 +613,17 @@ def test_token_ids_are_written_as_vllms_fields(model: Path, tmp_path: Path) -> N
     assert choice["prompt_token_ids"] == tokenizer("Once upon a time t").input_ids
     assert len(choice["token_ids"]) == 4
     assert "prompt_token_ids" not in text["response"]["body"]
+
+
+def test_a_token_limit_over_the_context_names_the_field_the_line_used(
+    model: Path, tmp_path: Path
+) -> None:
+    rows = [request("mt", max_tokens=60), request("mct", max_completion_tokens=60)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(model, inp, tmp_path / "out", "runtime.max_model_len=64").complete
+    errors = {x.custom_id: err(x) for x in read_lines(tmp_path / "out" / "errors.jsonl")}
+    for custom_id, field in (("mt", "max_tokens"), ("mct", "max_completion_tokens")):
+        error = errors[custom_id]
+        assert (error.code, error.param) == ("invalid_value", field)
+        assert error.message.startswith(f"{field}=60 is too large")
+        assert error.message.endswith(f"lower {field}")

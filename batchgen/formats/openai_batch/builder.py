@@ -8,7 +8,12 @@ from typing import Any
 
 from batchgen.engine.model_path import prompt_over_context
 from batchgen.engine.sampling_params import STRUCTURED, SamplingParams
-from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH, SAMPLING_COLUMN
+from batchgen.formats.openai_batch.requests import (
+    ID_COLUMN,
+    LIMIT_COLUMN,
+    PASSTHROUGH,
+    SAMPLING_COLUMN,
+)
 from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
 PROMPT_KEYS = ("system_prompt", "truncate")  # the [prompt] keys that apply to these files
@@ -62,7 +67,7 @@ class RequestBuilder:
                 off = prepared[i][1]
                 if off and built.prompt_ids is not None:  # the engine's base is the job's
                     built = built._replace(overrides={**off, **built.overrides})
-                out[i] = self._within_context(built)
+                out[i] = self._within_context(built, rows[i][1].get(LIMIT_COLUMN))
         return out
 
     def _prepare(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -81,9 +86,10 @@ class RequestBuilder:
             given = {**self.job_format, **given}
         return {**values, SAMPLING_COLUMN: given}, off
 
-    def _within_context(self, row: RowPrompt) -> RowPrompt:
+    def _within_context(self, row: RowPrompt, field: str | None) -> RowPrompt:
         """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its
-        prompt in the context is an error line, not one cut short at the context."""
+        prompt in the context is an error line, not one cut short at the context. field: the
+        body field that gave it (max_tokens or max_completion_tokens)."""
         if row.prompt_ids is None:
             return row
         over = prompt_over_context(len(row.prompt_ids), self.context)
@@ -95,16 +101,13 @@ class RequestBuilder:
         room = self.context - len(row.prompt_ids)
         if asked <= room:
             return row
+        field = field or "max_tokens"
         message = (
-            f"max_tokens={asked:,} is too large: the model's context is {self.context:,} tokens "
+            f"{field}={asked:,} is too large: the model's context is {self.context:,} tokens "
             f"(max_model_len) and the request has {len(row.prompt_ids):,} prompt tokens, so at "
-            f"most {room:,} can be generated: lower max_tokens"
+            f"most {room:,} can be generated: lower {field}"
         )
-        passthrough = {
-            **row.passthrough,
-            "error_code": "invalid_value",
-            "error_param": "max_tokens",
-        }
+        passthrough = {**row.passthrough, "error_code": "invalid_value", "error_param": field}
         return row._replace(prompt_ids=None, overrides={}, passthrough=passthrough, error=message)
 
     def _error_row(self, index: int, values: dict[str, Any]) -> RowPrompt | None:

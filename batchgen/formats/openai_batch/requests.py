@@ -27,7 +27,9 @@ PASSTHROUGH_TYPES = {"url": "string", "model": "string", "line": "int64"} | dict
     ("error_code", "error_param"), "string"
 )  # Arrow type names
 PASSTHROUGH = tuple(PASSTHROUGH_TYPES)
-COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, "error_message", *PASSTHROUGH)
+LIMIT_COLUMN = "limit_field"  # the body field that gave the token limit, named in its errors
+COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, LIMIT_COLUMN, "error_message")
+COLUMNS += PASSTHROUGH
 
 # body field -> SamplingParams field, where the meaning is the same (OpenAI's, then vLLM's)
 SAMPLING_FIELDS = {
@@ -173,6 +175,8 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_value", f"model={model!r} must be a string", "model")
     out: dict[str, Any] = {"model": model, SAMPLING_COLUMN: _sampling(url, body)}
+    limit = [key for key in ("max_tokens", "max_completion_tokens") if body.get(key) is not None]
+    out[LIMIT_COLUMN] = limit[0] if limit else None
     if url == CHAT_URL:
         out["messages"] = _messages(body.get("messages"))
     else:
