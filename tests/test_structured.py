@@ -268,6 +268,18 @@ def test_a_complete_output_is_checked_against_its_spec() -> None:
     anything = GrammarSpec("json_object", json.dumps({"type": "object"}))
     assert output_problem(anything, "[1]") == "the output is not a JSON object"
     assert output_problem(anything, '{"k":[1,{"k":2}]}') is None
+
+
+def test_an_output_whose_number_cannot_be_read_is_an_error_not_a_crash() -> None:
+    """A model may write a number whose exponent no Decimal holds: its row is an error row
+    (the check cannot run), never an exception that stops the job's writer."""
+    huge = "9945029375001E0378773218673200780895350087350035050"
+    for spec in (
+        GrammarSpec("json_schema", "{}"),
+        GrammarSpec("json_object", json.dumps({"type": "object"})),
+    ):
+        problem = output_problem(spec, f'{{"a":{huge}}}')
+        assert problem is not None and "could not be checked" in problem
     choice = GrammarSpec("choice", json.dumps(list(CHOICES)))
     assert output_problem(choice, CHOICES[2]) is None
     assert output_problem(choice, "maybe") == "the output is not one of the choices"

@@ -40,6 +40,8 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
         value = json.loads(text, parse_float=Decimal)
     except ValueError as exc:
         return f"the output is not valid JSON ({' '.join(str(exc).split())[:200]})"
+    except ArithmeticError:  # a number whose exponent Decimal cannot hold: valid JSON, no check
+        return "the output holds a number too large to be read, so it could not be checked"
     if spec.kind == "json_object":
         return None if isinstance(value, dict) else "the output is not a JSON object"
     try:
