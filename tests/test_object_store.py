@@ -322,3 +322,13 @@ def test_a_scheme_without_its_library_or_unknown_is_one_line() -> None:
     except ImportError:
         with pytest.raises(BatchgenError, match=r"needs the 'gcsfs' package.*pip install gcsfs"):
             as_path("gs://bucket/data.parquet")
+
+
+def test_uploads_a_killed_run_left_at_a_bucket_root_are_aborted(s3: S3) -> None:
+    """Output at a bucket's root (s3://bucket): its prefix is the whole bucket."""
+    from batchgen.io.fs import abort_uploads, as_path
+
+    s3.client.create_bucket(Bucket="root-out")
+    s3.client.create_multipart_upload(Bucket="root-out", Key="results.jsonl")
+    assert abort_uploads(as_path("s3://root-out")) == 1
+    assert s3.client.list_multipart_uploads(Bucket="root-out").get("Uploads", []) == []

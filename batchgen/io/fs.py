@@ -245,7 +245,8 @@ class ObjectPath:
         are invisible, but hold storage) -> how many."""
         if not hasattr(self.fs, "list_multipart_uploads"):
             return 0
-        prefix = self.key.partition("/")[2] + "/"
+        folder = self.key.partition("/")[2]  # "" at the bucket's root: every upload in it
+        prefix = f"{folder}/" if folder else ""
         uploads = self.fs.list_multipart_uploads(self.bucket)
         mine = [u for u in uploads if u["Key"].startswith(prefix)]
         for upload in mine:
