@@ -25,7 +25,7 @@ from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.io import InputConfig, OutputConfig, dataset_source
-from batchgen.io.fs import scheme_of
+from batchgen.io.fs import arrow_file, scheme_of
 from batchgen.io.output_schema import output_columns as schema_columns
 from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
@@ -188,7 +188,9 @@ class Generator:
         if isinstance(ds, datasets.IterableDataset):  # read as Python rows, whatever its format
             return self._stream(ds.with_format(None), spec, checkpoint_dir, columns, prefix)
         with _job_dir(checkpoint_dir) as out_dir:
-            table = pq.read_table(self._run(ds, spec, out_dir, checkpoint_dir is not None))
+            result = self._run(ds, spec, out_dir, checkpoint_dir is not None)
+            with arrow_file(result) as f:
+                table = pq.read_table(f)
         return _join(ds, table, columns, prefix)
 
     def _stream(

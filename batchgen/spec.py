@@ -235,7 +235,7 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
         value = values.get(key) if isinstance(values, dict) else None
         if not isinstance(value, str) or not value or scheme_of(value):
             continue  # an object-store URL is absolute
-        if value.startswith(("~", "file://")):
+        if value.startswith("~") or value[:7].lower() == "file://":
             values[key] = value = str(local_path(value))
         joined = base / value
         if Path(value).is_absolute():

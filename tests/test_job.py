@@ -698,3 +698,22 @@ def test_summary_counts_are_the_jobs_over_every_run(model_dir, tmp_path: Path) -
     assert [getattr(again, f"run_{k}") for k in counts] == [0, 0, 0, 0]
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [written[k] for k in counts] == [getattr(whole, k) for k in counts]
+
+
+def test_relative_paths_with_a_colon_in_their_first_part_are_local_files(
+    model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "in-10:30/d.parquet" and "S3:/bucket" read as Arrow URIs would be unreadable: every
+    shard judged damaged on resume. A rerun resumes and generates nothing."""
+    monkeypatch.chdir(tmp_path)
+    model = model_dir("llama")
+    Path("in-10:30").mkdir()
+    pq.write_table(pa.table({"prompt": PROMPTS[:6]}), tmp_path / "in-10:30" / "d.parquet")
+    sets = ("sampling.max_new_tokens=4", "output.shard_rows=2")
+    for out in ("rel-10:30/out", "S3:/bucket/run1"):
+        first = run_job(spec_for(model, Path("in-10:30/d.parquet"), Path(out), *sets))
+        assert first.complete and first.summary.rows_ok == 6
+        again = run_job(spec_for(model, Path("in-10:30/d.parquet"), Path(out), *sets))
+        assert again.complete and again.summary.resumed and again.summary.run_rows_ok == 0
+        assert not (tmp_path / out / "damaged").exists()
+        assert len(read_rows(tmp_path / out)) == 6

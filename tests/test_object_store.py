@@ -332,3 +332,14 @@ def test_uploads_a_killed_run_left_at_a_bucket_root_are_aborted(s3: S3) -> None:
     s3.client.create_multipart_upload(Bucket="root-out", Key="results.jsonl")
     assert abort_uploads(as_path("s3://root-out")) == 1
     assert s3.client.list_multipart_uploads(Bucket="root-out").get("Uploads", []) == []
+
+
+@pytest.mark.parametrize("url", ["S3://bucket/run1", "s3://bucket/run1", "Https://host/d.jsonl"])
+def test_a_url_scheme_is_matched_in_any_case(url: str) -> None:
+    from batchgen.io.fs import as_path, is_object, scheme_of
+
+    scheme = url.split(":")[0].lower()
+    assert scheme_of(url) == scheme
+    path = as_path(url)
+    assert is_object(path) and str(path) == f"{scheme}://{url.split('://')[1]}"
+    assert scheme_of("FILE:///tmp/x") is None and str(as_path("FILE:///tmp/x")) == "/tmp/x"

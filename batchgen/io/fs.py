@@ -48,7 +48,7 @@ SCHEME_PACKAGES = {
 # (If-None-Match) makes the directory's lock (io/object_lock.py)
 OUTPUT_SCHEMES = ("s3",)
 SPOOL_BYTES = 64 << 20  # a whole-object write is held in memory up to this size, then on disk
-_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$", re.IGNORECASE)  # a scheme has no case
 
 AnyPath = Any  # Path | ObjectPath (duck-typed: the Path methods below)
 
@@ -57,9 +57,9 @@ def scheme_of(text: str) -> str | None:
     """The scheme of a URL batchgen reads through a filesystem library; None for a local path
     (file:// included)."""
     match = _URL.match(text)
-    if match is None or match.group(1) == "file":
+    if match is None or match.group(1).lower() == "file":
         return None
-    return match.group(1)
+    return match.group(1).lower()
 
 
 def as_path(text: str | Path) -> AnyPath:
@@ -81,7 +81,9 @@ def as_path(text: str | Path) -> AnyPath:
 
 def local_path(text: str) -> Path:
     """A local path as written (file:// taken off, ~ expanded)."""
-    return Path(text.removeprefix("file://")).expanduser()
+    if text[:7].lower() == "file://":
+        text = text[7:]
+    return Path(text).expanduser()
 
 
 def is_object(path: AnyPath) -> bool:
@@ -256,13 +258,17 @@ class ObjectPath:
 
 @contextlib.contextmanager
 def arrow_file(path: AnyPath) -> Iterator[Any]:
-    """What pyarrow reads `path` from: a local path as it is (Arrow's own file), an object
-    through its store's file (random access by range requests)."""
+    """What pyarrow reads `path` from: a local file opened here (Arrow's own file: a path
+    string would be read as a URI where its first part holds a ':', "S3:" or "rel-10:30"), an
+    object through its store's file (random access by range requests)."""
     if is_object(path):
         with path.open("rb") as f:
             yield f
     else:
-        yield path
+        import pyarrow as pa  # here: the spec loader imports this module, and needs no Arrow
+
+        with pa.OSFile(os.fspath(path), "rb") as f:
+            yield f
 
 
 def abort_uploads(folder: AnyPath) -> int:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_atomic
+from batchgen.io.fs import arrow_file
 from batchgen.profile.attribution import attribute
 from batchgen.profile.records import BLOCKED_BY, RunInfo, StepRecord
 
@@ -137,7 +138,8 @@ def records_of(table: pa.Table) -> list[StepRecord]:
 def read_records(path: Path) -> tuple[RunInfo, list[StepRecord]]:
     """-> the run and its records; BatchgenError for a file that is not a profile."""
     try:
-        table = pq.read_table(path)
+        with arrow_file(path) as f:
+            table = pq.read_table(f)
         meta = (table.schema.metadata or {})[META_KEY]
         info = RunInfo(**json.loads(meta))
         return info, records_of(table)
