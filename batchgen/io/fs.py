@@ -47,6 +47,9 @@ SCHEME_PACKAGES = {
 # schemes an output directory may use: a whole-object PUT is atomic, and a conditional PUT
 # (If-None-Match) makes the directory's lock (io/object_lock.py)
 OUTPUT_SCHEMES = ("s3",)
+# schemes whose filesystem takes the whole URL (its query string included), not a key, and
+# whose URL names one object (never a glob or a folder: '?' starts a query)
+URL_SCHEMES = ("http", "https")
 SPOOL_BYTES = 64 << 20  # a whole-object write is held in memory up to this size, then on disk
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$", re.IGNORECASE)  # a scheme has no case
 
@@ -107,11 +110,97 @@ class Stat(NamedTuple):
     st_size: int
 
 
+def _store_call(method: Callable[..., Any], *args: Any) -> Any:
+    """method(*args), a store library's failure that is no OSError (aiohttp's payload and
+    timeout errors, fsspec's ValueError on a file it cannot seek) raised as an OSError: what
+    every reader of a file already reports as one line."""
+    try:
+        return method(*args)
+    except OSError:
+        raise
+    except ValueError as exc:
+        if "seek" not in str(exc).lower():
+            raise
+        raise OSError(
+            "its server gives no length for it or sends it compressed (Content-Encoding), so "
+            "it cannot be read by byte ranges: download it and give the local file"
+        ) from exc
+    except Exception as exc:  # the library's own (network) errors
+        if type(exc).__module__.split(".")[0] not in _STORE_LIBRARIES:
+            raise
+        lines = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+        raise OSError(f"{reason}; the transfer failed: run again") from exc
+
+
+_STORE_LIBRARIES = {"aiohttp", "asyncio", "fsspec", "s3fs", "gcsfs", "adlfs", "botocore"}
+
+
+class StoreFile:
+    """An object's file as its store library opened it, whose failures are OSErrors
+    (_store_call): pyarrow and the readers take it as a local file."""
+
+    def __init__(self, f: Any, name: str) -> None:
+        self._f, self.name = f, name
+
+    def read(self, size: int = -1) -> bytes:
+        return _store_call(self._f.read, size)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer)[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        return _store_call(self._f.readline)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return _store_call(self._f.seek, offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def __getattr__(self, name: str) -> Any:  # closed, seekable, size, ...
+        return getattr(self._f, name)
+
+    def __iter__(self) -> Iterator[bytes]:
+        while line := self.readline():
+            yield line
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> StoreFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ObjectPath:
-    """A key (or prefix) on an object store; `key` = "bucket/folder/name", no scheme."""
+    """A key (or prefix) on an object store; `key` = "bucket/folder/name", no scheme (for
+    http(s): "host/path?query")."""
 
     def __init__(self, fs: Any, scheme: str, key: str) -> None:
         self.fs, self.scheme, self.key = fs, scheme, key
+
+    @property
+    def fs_path(self) -> str:
+        """What the filesystem library is given: the key, or the whole URL for http(s)."""
+        return str(self) if self.scheme in URL_SCHEMES else self.key
+
+    @property
+    def _pure(self) -> PurePosixPath:
+        """The key as a path: an http(s) URL's without its query string and fragment (a
+        presigned URL's signature is no part of its name)."""
+        if self.scheme in URL_SCHEMES:
+            return PurePosixPath(self.key.split("#", 1)[0].split("?", 1)[0])
+        return PurePosixPath(self.key)
+
+    def _listed(self, path: str) -> ObjectPath:
+        """A path the filesystem listed (a whole URL for http(s)) as an ObjectPath."""
+        match = _URL.match(path) if self.scheme in URL_SCHEMES else None
+        return ObjectPath(self.fs, self.scheme, (match.group(2) if match else path).rstrip("/"))
 
     # -- pure path ---------------------------------------------------------------------------
 
@@ -135,15 +224,15 @@ class ObjectPath:
 
     @property
     def name(self) -> str:
-        return PurePosixPath(self.key).name
+        return self._pure.name
 
     @property
     def suffix(self) -> str:
-        return PurePosixPath(self.key).suffix
+        return self._pure.suffix
 
     @property
     def parent(self) -> ObjectPath:
-        return ObjectPath(self.fs, self.scheme, str(PurePosixPath(self.key).parent))
+        return ObjectPath(self.fs, self.scheme, str(self._pure.parent))
 
     @property
     def bucket(self) -> str:
@@ -153,7 +242,7 @@ class ObjectPath:
         return self.parent / name
 
     def relative_to(self, other: ObjectPath) -> PurePosixPath:
-        return PurePosixPath(self.key).relative_to(other.key)
+        return self._pure.relative_to(other._pure)
 
     def resolve(self) -> ObjectPath:
         return self
@@ -169,27 +258,30 @@ class ObjectPath:
     def open(self, mode: str = "rb") -> IO[bytes]:
         if mode != "rb":
             raise ValueError(f"ObjectPath.open({mode!r}): objects are written whole (write_whole)")
-        return self.fs.open(self.key, "rb")
+        return StoreFile(_store_call(self.fs.open, self.fs_path, "rb"), str(self))
 
     def read_bytes(self) -> bytes:
-        return self.fs.cat_file(self.key)
+        return _store_call(self.fs.cat_file, self.fs_path)
 
     def exists(self) -> bool:
-        return self.fs.exists(self.key)
+        return self.fs.exists(self.fs_path)
 
     def is_file(self) -> bool:
-        return self.fs.isfile(self.key)
+        return self.fs.isfile(self.fs_path)
 
     def is_dir(self) -> bool:
-        return self.fs.isdir(self.key)
+        return self.fs.isdir(self.fs_path)
 
     def stat(self) -> Stat:
-        return Stat(self.fs.size(self.key))
+        return Stat(self.fs.size(self.fs_path))
+
+    def info(self) -> dict[str, Any]:
+        return self.fs.info(self.fs_path)
 
     def iterdir(self) -> Iterator[ObjectPath]:
         """What the prefix holds one level down (objects and sub-prefixes)."""
         for key in self._ls():
-            yield ObjectPath(self.fs, self.scheme, key.rstrip("/"))
+            yield self._listed(key)
 
     def glob(self, pattern: str) -> Iterator[ObjectPath]:
         """Objects directly under this prefix whose name matches (no '/' in `pattern`)."""
@@ -199,24 +291,25 @@ class ObjectPath:
 
     def rglob(self, pattern: str) -> Iterator[ObjectPath]:
         """Every object below this prefix whose name matches."""
-        for key in sorted(self.fs.find(self.key)):
-            if fnmatch.fnmatchcase(PurePosixPath(key).name, pattern):
-                yield ObjectPath(self.fs, self.scheme, key)
+        for found in sorted(self.fs.find(self.fs_path)):
+            path = self._listed(found)
+            if fnmatch.fnmatchcase(path.name, pattern):
+                yield path
 
     def _ls(self) -> list[str]:
         try:
-            return self.fs.ls(self.key, detail=False)
+            return self.fs.ls(self.fs_path, detail=False)
         except FileNotFoundError:
             return []
 
     def unlink(self, missing_ok: bool = False) -> None:
-        if not missing_ok and not self.fs.exists(self.key):
+        if not missing_ok and not self.fs.exists(self.fs_path):
             raise FileNotFoundError(str(self))
-        self.fs.rm_file(self.key)
+        self.fs.rm_file(self.fs_path)
 
     def rename(self, target: ObjectPath) -> ObjectPath:
         """Copy, then delete (a store has no rename): a kill between leaves both."""
-        self.fs.mv(self.key, target.key)
+        self.fs.mv(self.fs_path, target.fs_path)
         return target
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
@@ -234,12 +327,12 @@ class ObjectPath:
             size = spool.tell()
             spool.seek(0)
             if size <= SPOOL_BYTES:
-                self.fs.pipe_file(self.key, spool.read(), **conditions)
+                self.fs.pipe_file(self.fs_path, spool.read(), **conditions)
                 return result
             with tempfile.NamedTemporaryFile(prefix=".batchgen-upload-") as local:
                 shutil.copyfileobj(spool, local)
                 local.flush()
-                self.fs.put_file(local.name, self.key, **conditions)
+                self.fs.put_file(local.name, self.fs_path, **conditions)
         return result
 
     def abort_uploads(self) -> int:

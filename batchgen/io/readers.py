@@ -371,14 +371,19 @@ def jsonl_mentions(paths: list[Path], names: list[str]) -> set[str]:
     longest = max((len(s) for forms in spellings.values() for s in forms), default=0)
     found: set[str] = set()
     for path in paths:
-        with path.open("rb") as f:
-            tail = b""
-            while len(found) < len(names) and (chunk := f.read(COUNT_CHUNK_BYTES)):
-                window = tail + chunk
-                for name, forms in spellings.items():
-                    if name not in found and any(form in window for form in forms):
-                        found.add(name)
-                tail = window[-longest:]
+        try:
+            with path.open("rb") as f:
+                tail = b""
+                while len(found) < len(names) and (chunk := f.read(COUNT_CHUNK_BYTES)):
+                    window = tail + chunk
+                    for name, forms in spellings.items():
+                        if name not in found and any(form in window for form in forms):
+                            found.add(name)
+                    tail = window[-longest:]
+        except OSError as exc:
+            raise BatchgenError(
+                f"cannot read {str(path)!r} ({_reason(exc)}): check the file"
+            ) from exc
     return found
 
 
@@ -498,13 +503,19 @@ def _is_json_document(head: bytes) -> bool:
 
 def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line, from byte `start` on (a line
-    start, with `lines` lines before it)."""
-    with path.open("rb") as f:
-        f.seek(start)
-        for lineno, raw in enumerate(f, start=lines + 1):
-            line = _line_text(raw, lineno == 1)
-            if _is_row_line(line):
-                yield lineno, line
+    start, with `lines` lines before it). BatchgenError (one line) when reading fails midway
+    (an object store's transfer)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            for lineno, raw in enumerate(f, start=lines + 1):
+                line = _line_text(raw, lineno == 1)
+                if _is_row_line(line):
+                    yield lineno, line
+    except OSError as exc:
+        raise BatchgenError(
+            f"reading {str(path)!r} failed ({_reason(exc)}): run again; committed rows are kept"
+        ) from exc
 
 
 def _line_text(raw: bytes, first: bool) -> bytes:

@@ -1,13 +1,14 @@
 """Input files named by an object-store URL, found by the rules local input follows: one
 object, a glob, or a prefix (folder) whose data files are read in sorted order, skipping
-names under a part that starts with '.' or '_'."""
+names under a part that starts with '.' or '_'. An http(s) URL names one object: its '?'
+starts a query string (a presigned URL's), and a web server lists no folders."""
 
 from __future__ import annotations
 
 import glob
 
 from batchgen.errors import BatchgenError
-from batchgen.io.fs import ObjectPath, as_path, store_error
+from batchgen.io.fs import URL_SCHEMES, ObjectPath, as_path, store_error
 
 
 def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
@@ -16,6 +17,8 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
     missing or access is refused."""
     root: ObjectPath = as_path(raw)
     try:
+        if root.scheme in URL_SCHEMES:
+            return _one_object(root, raw)
         if glob.has_magic(raw):
             keys = sorted(k for k in root.fs.glob(root.key) if root.fs.isfile(k))
             if not keys:
@@ -43,10 +46,16 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
     return [(path, path.relative_to(root).as_posix()) for path in files]
 
 
+def _one_object(path: ObjectPath, raw: str) -> list[tuple[ObjectPath, str]]:
+    if _kind(path) is None:
+        raise BatchgenError(f"input {raw!r} does not exist: check the URL")
+    return [(path, raw)]
+
+
 def _kind(path: ObjectPath) -> str | None:
     """ "file", "directory", or None when nothing is there; the store's errors (access refused)
     propagate, where `is_file` would hide them."""
     try:
-        return path.fs.info(path.key)["type"]
+        return path.info()["type"]
     except FileNotFoundError:
         return None

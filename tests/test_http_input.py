@@ -1,0 +1,162 @@
+"""Input named by an http(s) URL, served by a local HTTP server on 127.0.0.1 (a thread): one
+object read by byte ranges; a server that cannot give it whole and by range is one line."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError
+from batchgen.io.readers import InputConfig, open_input
+
+pytest.importorskip("aiohttp")
+
+PROMPTS = [f"Item {i}: describe it in a few words." for i in range(12)]
+JSONL = "".join(json.dumps({"uid": f"u{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS))
+
+
+def _parquet() -> bytes:
+    sink = io.BytesIO()
+    table = pa.table({"uid": [f"u{i}" for i in range(12)], "prompt": PROMPTS})
+    pq.write_table(table, sink, row_group_size=4)
+    return sink.getvalue()
+
+
+FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet()}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """/plain/<name>: with Range; /gzip/<name>: Content-Encoding gzip; /short/<name>: half
+    the body its Content-Length announces."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _answer(self, head: bool) -> None:
+        kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
+        data = FILES.get(name)
+        if data is None:
+            self._send(404, b"not found", {"Content-Length": "9"}, head)
+        elif kind == "plain":
+            self._plain(data, head)
+        elif kind == "gzip":
+            body = gzip.compress(data, mtime=0)
+            self._send(
+                200, body, {"Content-Length": str(len(body)), "Content-Encoding": "gzip"}, head
+            )
+        else:  # short
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+
+    def _plain(self, data: bytes, head: bool) -> None:
+        match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if match is None:
+            self._send(200, data, {"Content-Length": str(len(data))}, head)
+            return
+        start = int(match.group(1))
+        end = min(int(match.group(2) or len(data) - 1), len(data) - 1)
+        part = data[start : end + 1]
+        headers = {
+            "Content-Length": str(len(part)),
+            "Content-Range": f"bytes {start}-{end}/{len(data)}",
+            "Accept-Ranges": "bytes",
+        }
+        self._send(206, part, headers, head)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet"])
+@pytest.mark.parametrize("query", ["", "?X-Amz-Signature=ab*c&X-Amz-Expires=60"])
+def test_an_http_url_is_read_as_one_object(server: str, name: str, query: str) -> None:
+    """The whole URL reaches the server (a query string is no glob); the fingerprint names
+    the file without its query, so a fresh presigned URL is the same input."""
+    source = open_input(InputConfig(path=f"{server}/plain/{name}{query}"))
+    rows = [row.values for batch in source.batches() for row in batch]
+    assert source.num_rows == 12 and [r["uid"] for r in rows] == [f"u{i}" for i in range(12)]
+    (entry,) = source.fingerprint()["files"]
+    assert entry["name"] == name and entry["size"] == len(FILES[name])
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("gzip/d.jsonl", "cannot be read by byte ranges: download it"),
+        ("gzip/d.parquet", "cannot be read by byte ranges: download it"),
+        ("short/d.jsonl", "the transfer failed: run again"),
+        ("short/d.parquet", "the transfer failed: run again"),
+        ("plain/missing.jsonl", "does not exist"),
+        ("plain/*.jsonl", "does not exist"),
+    ],
+)
+def test_what_cannot_be_read_over_http_is_one_line(server: str, where: str, message: str) -> None:
+    with pytest.raises(BatchgenError) as caught:
+        source = open_input(InputConfig(path=f"{server}/{where}"))
+        source.fingerprint()
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_job_over_an_http_url_resumes_under_a_fresh_query_string(
+    server: str, model_dir, tmp_path: Path
+) -> None:
+    from batchgen.job import run_job
+    from batchgen.spec import load_spec
+
+    def spec(query: str):
+        return load_spec(
+            None,
+            [
+                f"model.path={json.dumps(str(model_dir('llama')))}",
+                f"input.path={json.dumps(f'{server}/plain/d.parquet{query}')}",
+                f"output.dir={json.dumps(str(tmp_path / 'out'))}",
+                "prompt.id_column='uid'",
+                "sampling.max_new_tokens=4",
+                "runtime.quiet=true",
+                "runtime.device='cpu'",
+            ],
+        )
+
+    first = run_job(spec("?sig=1"))
+    assert first.complete and first.summary.rows_ok == 12
+    again = run_job(spec("?sig=2"))
+    assert again.complete and again.summary.resumed and again.summary.run_rows_ok == 0
