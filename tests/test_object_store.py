@@ -343,3 +343,40 @@ def test_a_url_scheme_is_matched_in_any_case(url: str) -> None:
     path = as_path(url)
     assert is_object(path) and str(path) == f"{scheme}://{url.split('://')[1]}"
     assert scheme_of("FILE:///tmp/x") is None and str(as_path("FILE:///tmp/x")) == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "data/*.parquet",
+        "data/**/*.parquet",
+        "data/*/*.parquet",
+        "data/.*.parquet",
+        "data/.spark-staging/*.parquet",
+        "data/[.]part-1.parquet",
+    ],
+)
+def test_a_glob_names_the_same_files_on_s3_as_on_a_local_disk(
+    s3: S3, tmp_path: Path, pattern: str
+) -> None:
+    """Hidden names (a writer's temp file, .spark-staging/) only where the pattern names a
+    hidden part, as Python's glob does on a local disk."""
+    from batchgen.io.readers import InputConfig, find_files
+
+    tree = ["part-0.parquet", ".part-1.parquet", ".spark-staging/part-2.parquet"]
+    tree += ["sub/part-3.parquet", "sub/.x/part-4.parquet"]
+    for name in tree:
+        s3.put(f"hidden/data/{name}", prompts_parquet(12))
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).write_bytes(prompts_parquet(12))
+
+    def found(base: str) -> list[str]:
+        try:
+            files = find_files(InputConfig(path=f"{base}/{pattern}"))
+        except BatchgenError as exc:
+            return [str(exc).replace(f"{base}/", "")]
+        return [name.removeprefix(f"{base}/") for _, name in files]
+
+    local = found(str(tmp_path))
+    assert found(s3.url("hidden")) == local
+    assert any(".part-1" in name for name in local) == pattern.startswith("data/.*")

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
 from batchgen.io.fs import arrow_file, common_folder, scheme_of
+from batchgen.io.input_names import folder_skips, glob_skips
 from batchgen.io.output_schema import common_type
 from batchgen.io.remote_input import find_objects
 
@@ -216,7 +217,12 @@ def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
         fmt = "jsonl" if config.format == OPENAI_BATCH else config.format
         return find_objects(raw, {ext for ext, kind in EXTENSIONS.items() if fmt in ("auto", kind)})
     if glob.has_magic(raw):
-        matches = sorted(m for m in glob.glob(str(path), recursive=True) if Path(m).is_file())
+        pattern = str(path)
+        matches = sorted(
+            m
+            for m in glob.glob(pattern, recursive=True, include_hidden=True)
+            if not glob_skips(pattern, m) and Path(m).is_file()
+        )
         if not matches:
             raise BatchgenError(f"no files match {raw!r}: check the pattern")
         return [(Path(m), m) for m in matches]
@@ -228,9 +234,7 @@ def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
         files = sorted(
             p
             for p in path.rglob("*")
-            if p.suffix.lower() in wanted
-            and p.is_file()
-            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            if p.suffix.lower() in wanted and p.is_file() and not folder_skips(p.relative_to(path))
         )
         if not files:
             raise BatchgenError(

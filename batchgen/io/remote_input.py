@@ -1,7 +1,7 @@
-"""Input files named by an object-store URL, found by the rules local input follows: one
-object, a glob, or a prefix (folder) whose data files are read in sorted order, skipping
-names under a part that starts with '.' or '_'. An http(s) URL names one object: its '?'
-starts a query string (a presigned URL's), and a web server lists no folders."""
+"""Input files named by an object-store URL, found by the rules local input follows
+(io/input_names.py): one object, a glob, or a prefix (folder) whose data files are read in
+sorted order. An http(s) URL names one object: its '?' starts a query string (a presigned
+URL's), and a web server lists no folders."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import glob
 
 from batchgen.errors import BatchgenError
 from batchgen.io.fs import URL_SCHEMES, ObjectPath, as_path, store_error
+from batchgen.io.input_names import folder_skips, glob_skips
 
 
 def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
@@ -20,7 +21,8 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
         if root.scheme in URL_SCHEMES:
             return _one_object(root, raw)
         if glob.has_magic(raw):
-            keys = sorted(k for k in root.fs.glob(root.key) if root.fs.isfile(k))
+            found = root.fs.glob(root.key)
+            keys = sorted(k for k in found if not glob_skips(root.key, k) and root.fs.isfile(k))
             if not keys:
                 raise BatchgenError(f"no files match {raw!r}: check the pattern")
             return [(ObjectPath(root.fs, root.scheme, k), f"{root.scheme}://{k}") for k in keys]
@@ -29,8 +31,7 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
         files = [
             path
             for path in root.rglob("*")
-            if path.suffix.lower() in wanted
-            and not any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
+            if path.suffix.lower() in wanted and not folder_skips(path.relative_to(root))
         ]
     except BatchgenError:
         raise

@@ -1,0 +1,37 @@
+"""Which files an input path names, the one rule for local and object-store input:
+
+- a folder (prefix) names its data files below it, but none under a part that starts with
+  '.' or '_' (a writer's temp files, _SUCCESS, .spark-staging/);
+- a glob names what Python's glob matches: a hidden name (a part that starts with '.') after
+  the pattern's static prefix only where a pattern part that starts with '.' matches it
+  (`*` and `**` never match one).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+from pathlib import PurePosixPath
+
+
+def folder_skips(relative: PurePosixPath | str) -> bool:
+    """Whether a folder's reader skips the file at `relative` (its path below the folder)."""
+    return any(part.startswith((".", "_")) for part in PurePosixPath(relative).parts)
+
+
+def static_parts(pattern: str) -> int:
+    """How many leading parts of a glob pattern hold no wildcard."""
+    parts = PurePosixPath(pattern).parts
+    return next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+
+
+def glob_skips(pattern: str, match: str) -> bool:
+    """Whether Python's glob leaves out `match`, a path the pattern matches when hidden names
+    are matched too (as an object store's glob does): a hidden part after the static prefix
+    that no pattern part starting with '.' matches."""
+    start = static_parts(pattern)
+    dotted = [part for part in PurePosixPath(pattern).parts[start:] if part.startswith(".")]
+    return any(
+        part.startswith(".") and not any(fnmatch.fnmatchcase(part, d) for d in dotted)
+        for part in PurePosixPath(match).parts[start:]
+    )
