@@ -380,3 +380,17 @@ def test_a_glob_names_the_same_files_on_s3_as_on_a_local_disk(
     local = found(str(tmp_path))
     assert found(s3.url("hidden")) == local
     assert any(".part-1" in name for name in local) == pattern.startswith("data/.*")
+
+
+@pytest.mark.parametrize(
+    "out", ["hf://datasets/me/data/out", "https://example.invalid/out", "GS://bucket/out"]
+)
+def test_output_on_a_store_other_than_s3_is_refused_up_front(out: str, tmp_path: Path) -> None:
+    """Only s3:// has the conditional PUT the lock needs: any other scheme is one line before
+    the input is read or the store is reached."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    code, output = validate("--input", str(tmp_path / "in.jsonl"), "--output", out)
+    assert code == 2 and output.count("\n") == 1, output
+    assert "writes output to a local folder or s3:// only" in output
+    with pytest.raises(BatchgenError, match="local folder or s3:// only"):
+        OutputLayout(out)

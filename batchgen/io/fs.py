@@ -82,6 +82,18 @@ def as_path(text: str | Path) -> AnyPath:
     return ObjectPath(_filesystem(scheme, text), scheme, _URL.match(text).group(2).rstrip("/"))
 
 
+def check_output_url(text: str) -> None:
+    """BatchgenError (one line) for an output directory on a store batchgen cannot write
+    safely: only OUTPUT_SCHEMES have the conditional PUT its lock needs."""
+    scheme = scheme_of(text)
+    if scheme is not None and scheme not in OUTPUT_SCHEMES:
+        allowed = ", ".join(f"{s}://" for s in OUTPUT_SCHEMES)
+        raise BatchgenError(
+            f"output directory {text!r}: batchgen writes output to a local folder or {allowed} "
+            f"only, not {scheme}://: write locally and copy the results there"
+        )
+
+
 def local_path(text: str) -> Path:
     """A local path as written (file:// taken off, ~ expanded)."""
     if text[:7].lower() == "file://":

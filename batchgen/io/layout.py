@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from batchgen.io.fs import AnyPath, as_path
+from batchgen.io.fs import AnyPath, as_path, check_output_url
 
 OUTPUT_FORMATS = ("parquet", "jsonl")
 TEMP_PREFIX = ".tmp-"
@@ -40,6 +40,7 @@ class OutputLayout:
     dir: AnyPath  # a Path, or an ObjectPath for an object-store URL
 
     def __post_init__(self) -> None:
+        check_output_url(str(self.dir))
         object.__setattr__(self, "dir", as_path(self.dir))
 
     @property

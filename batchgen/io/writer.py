@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import check_field
 from batchgen.io.atomic import fsync_dir, write_atomic
+from batchgen.io.fs import check_output_url
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
 
 Row = dict[str, Any]
@@ -57,6 +58,7 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         check_field(bool(self.dir), "dir", self.dir, "a folder path")
+        check_output_url(self.dir)
         allowed = " or ".join(OUTPUT_FORMATS)
         check_field(self.format in OUTPUT_FORMATS, "format", self.format, allowed)
         rows_ok = isinstance(self.shard_rows, int) and self.shard_rows >= 1
