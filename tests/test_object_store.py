@@ -394,3 +394,38 @@ def test_output_on_a_store_other_than_s3_is_refused_up_front(out: str, tmp_path:
     assert "writes output to a local folder or s3:// only" in output
     with pytest.raises(BatchgenError, match="local folder or s3:// only"):
         OutputLayout(out)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "out", "refused"),
+    [
+        ("data*/*.parquet", "data-out", True),
+        ("data*/*.parquet", "other/out", False),
+        ("data/*.parquet", "data/out", False),
+        ("data/*/*.parquet", "data/out", True),
+        ("data/**/*.parquet", "data/out", True),
+        ("data/**/*.parquet", "data/.out", False),
+        ("data/.*/*.parquet", "data/.out", True),
+        ("data", "data/out", True),
+        ("data", "data/_out", False),
+    ],
+)
+def test_an_output_the_input_may_read_is_refused_alike_on_s3_and_locally(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pattern: str, out: str, refused: bool
+) -> None:
+    """One rule: a glob is refused where it may match a file the job writes (results,
+    shards), not by comparing the URLs' text."""
+    from batchgen.job import check_job
+
+    monkeypatch.chdir(tmp_path)
+    for key in ("data/a.parquet", "data/sub/b.parquet", "data/.h/d.parquet", "data1/c.parquet"):
+        s3.put(f"outin/{key}", prompts_parquet(12))
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(prompts_parquet(12))
+    for base in (str(tmp_path), s3.url("outin")):
+        spec = spec_for(Path("m"), f"{base}/{pattern}", f"{base}/{out}")
+        if refused:
+            with pytest.raises(BatchgenError, match="would read its own results as input"):
+                check_job(spec)
+        else:
+            check_job(spec)

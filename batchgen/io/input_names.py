@@ -35,3 +35,22 @@ def glob_skips(pattern: str, match: str) -> bool:
         part.startswith(".") and not any(fnmatch.fnmatchcase(part, d) for d in dotted)
         for part in PurePosixPath(match).parts[start:]
     )
+
+
+def glob_may_match(pattern: str, folder: str, written: list[str]) -> bool:
+    """Could the glob `pattern` name a file written below `folder` (`written`: names relative
+    to it)? pattern and folder: absolute local paths, or keys on one store. A recursive
+    pattern (**) may match anything below its static part that it does not skip."""
+    parts = PurePosixPath(pattern).parts
+    static = PurePosixPath(*parts[: static_parts(pattern)])
+    out = PurePosixPath(folder)
+    if out != static and static not in out.parents:
+        return False
+    paths = [str(out / name) for name in written]
+    if "**" in parts:
+        return any(not glob_skips(pattern, path) for path in paths)
+    whole = f"/{pattern.lstrip('/')}"  # anchored: the whole path matches, not its tail
+    return any(
+        PurePosixPath(f"/{path.lstrip('/')}").match(whole) and not glob_skips(pattern, path)
+        for path in paths
+    )

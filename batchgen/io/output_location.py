@@ -5,71 +5,73 @@ from __future__ import annotations
 
 import glob
 import os
-from pathlib import Path, PurePath
+from pathlib import Path, PurePosixPath
 
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_atomic
-from batchgen.io.fs import AnyPath, is_object, scheme_of, store_error
+from batchgen.io.fs import URL_SCHEMES, AnyPath, as_path, is_object, scheme_of, store_error
+from batchgen.io.input_names import folder_skips, glob_may_match
 from batchgen.io.layout import OUTPUT_FORMATS, TEMP_PREFIX, OutputLayout
 from batchgen.io.readers import InputConfig, InputSource
 
 
 def check_output_outside_input(out_dir: AnyPath, config: InputConfig, source: InputSource) -> None:
-    if is_object(out_dir) or scheme_of(config.path):
-        _check_urls(out_dir, config, source)
-        return
-    out = out_dir.expanduser().resolve()
-    for path in source.files:
-        if _inside(path.resolve(), out):
-            raise _refusal(out_dir, config.path)
+    """The same rule for local paths and keys on a store (io/input_names.py): no input file
+    inside the output directory, no input folder above it (unless its reader skips the
+    part between), no input glob that may match a file it writes."""
+    if any(_inside(_where(path), _where(out_dir)) for path in source.files):
+        raise _refusal(out_dir, config.path)
     raw = config.path
-    local = Path(raw).expanduser()
-    if glob.has_magic(raw):
-        if _glob_may_match(local, out):
-            raise _refusal(out_dir, raw)
-    elif local.is_dir() and _inside(out, local.resolve()):
-        hidden = out.relative_to(local.resolve()).parts
-        if not any(part.startswith((".", "_")) for part in hidden):  # the reader skips those
-            raise _refusal(out_dir, raw)
-
-
-def _check_urls(out_dir: AnyPath, config: InputConfig, source: InputSource) -> None:
-    """Object-store URLs: the same rule on keys. A glob refuses any output below its static
-    part (no guess at what it may match)."""
-    out = str(out_dir).rstrip("/")
-    if any(_inside_key(str(path), out) for path in source.files):
-        raise _refusal(out_dir, config.path)
-    raw = config.path.rstrip("/")
-    static = raw[: min((raw.find(c) for c in "*?[" if c in raw), default=len(raw))]
-    if not _inside_key(out, static.rstrip("/")):
+    out, inp = _where(out_dir), _where(_input_root(raw))
+    if out[0] != inp[0]:  # another store (or local beside a store): nothing shared
         return
-    hidden = out[len(static) :].split("/")
-    if glob.has_magic(raw) or not any(part.startswith((".", "_")) for part in hidden):
-        raise _refusal(out_dir, config.path)
+    if glob.has_magic(raw) and (scheme_of(raw) is None or scheme_of(raw) not in URL_SCHEMES):
+        if glob_may_match(inp[1], out[1], _written()):
+            raise _refusal(out_dir, raw)
+    elif (
+        _is_folder(raw)
+        and _inside(out, inp)
+        and not folder_skips(PurePosixPath(out[1]).relative_to(inp[1]))
+    ):
+        raise _refusal(out_dir, raw)
 
 
-def _inside_key(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + "/")
+def _input_root(raw: str) -> AnyPath:
+    """The input path as written (a glob's pattern unexpanded)."""
+    return as_path(raw) if scheme_of(raw) else Path(raw).expanduser()
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
-def _glob_may_match(pattern: Path, out: Path) -> bool:
-    """Could a file batchgen writes under `out` match the pattern?"""
-    absolute = pattern if pattern.is_absolute() else Path.cwd() / pattern
+def _where(path: AnyPath) -> tuple[str, str]:
+    """(store, path on it): ("", absolute resolved path) for a local path, (scheme, key) for
+    an object. A glob's static part is resolved, its pattern kept."""
+    if is_object(path):
+        return path.scheme, path.key
+    absolute = Path(path) if Path(path).is_absolute() else Path.cwd() / path
     parts = absolute.parts
-    static = Path(*parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))])
-    if not _inside(out, static.resolve()):
-        return False
-    if "**" in parts:
-        return True  # recursive: anything below the static part may match
-    layout = OutputLayout(out)
+    static = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+    resolved = Path(*parts[:static]).resolve()
+    return "", str(PurePosixPath(resolved, *parts[static:]))
+
+
+def _is_folder(raw: str) -> bool:
+    """Whether the input names a folder (or a prefix on a store, not one object)."""
+    if scheme_of(raw) is None:
+        return Path(raw).expanduser().is_dir()
+    return scheme_of(raw) not in URL_SCHEMES
+
+
+def _inside(path: tuple[str, str], folder: tuple[str, str]) -> bool:
+    return path[0] == folder[0] and (
+        path[1] == folder[1] or PurePosixPath(folder[1]) in PurePosixPath(path[1]).parents
+    )
+
+
+def _written() -> list[str]:
+    """What batchgen writes below an output directory, relative to it."""
+    layout = OutputLayout(Path("/"))
     written = [layout.results(f) for f in OUTPUT_FORMATS] + [layout.openai_errors]
     written += [layout.shard("x", 0, 1, f) for f in OUTPUT_FORMATS]
-    resolved = PurePath(static.resolve(), *parts[len(static.parts) :])
-    return any(PurePath(p).match(str(resolved)) for p in written)
+    return [str(PurePosixPath(p).relative_to("/")) for p in written]
 
 
 def _refusal(out_dir: AnyPath, input_path: str) -> BatchgenError:
