@@ -429,3 +429,29 @@ def test_an_output_the_input_may_read_is_refused_alike_on_s3_and_locally(
                 check_job(spec)
         else:
             check_job(spec)
+
+
+def test_a_lock_that_cannot_be_read_is_a_store_error_not_a_lost_lock(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials revoked while a run holds the lock: its next check names the refusal; only
+    a lock that is gone or names another run is "lost"."""
+    import boto3
+
+    iam = boto3.session.Session().client("iam")
+    key = iam.create_access_key(UserName="batchgen")["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    lock = ObjectLock(OutputLayout(s3.url("revoked/out")))
+    lock.acquire()
+    lock.check()
+    iam.delete_access_key(UserName="batchgen", AccessKeyId=key["AccessKeyId"])
+    with pytest.raises(BatchgenError) as caught:
+        lock.check()
+    assert "lost the lock" not in str(caught.value)
+    assert "reading the lock s3://batchgen-test/revoked/out/job.lock" in str(caught.value)
+    assert "check the credentials" in str(caught.value)
+    monkeypatch.undo()  # the fixture's credentials again, in a fresh filesystem
+    s3.client.delete_object(Bucket=BUCKET, Key="revoked/out/job.lock")
+    with pytest.raises(BatchgenError, match="lost the lock"):
+        ObjectLock(OutputLayout(s3.url("revoked/out")), run=lock.run).check()

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_json_atomic
-from batchgen.io.fs import AnyPath, abort_uploads, arrow_file
+from batchgen.io.fs import AnyPath, abort_uploads, arrow_file, store_error
 from batchgen.io.layout import OutputLayout
 from batchgen.io.output_schema import COUNT_COLUMNS, INPUT_HASH, KEY_COLUMNS, RowCounts
 
@@ -272,11 +272,16 @@ class RankLock:
     run: str  # the DirectoryLock.run of rank 0's lock
 
     def check(self) -> None:
-        """BatchgenError unless the lock file still names this run."""
+        """BatchgenError unless the lock file still names this run: "lost the lock" when it is
+        gone or names another run; a failure to read it (refused credentials, the network) is
+        reported as such."""
+        lock = self.layout.lock
         try:
-            owner = json.loads(self.layout.lock.read_bytes())
-        except (OSError, ValueError):
+            owner = json.loads(lock.read_bytes())
+        except (FileNotFoundError, ValueError):  # removed, or replaced by something else
             owner = None
+        except Exception as exc:  # OSError, or a store library's own error
+            raise store_error(exc, lock, "reading the lock") from exc
         if not isinstance(owner, dict) or owner.get("run") != self.run:
             raise _lost_lock(self.layout)
 
