@@ -455,3 +455,40 @@ def test_a_lock_that_cannot_be_read_is_a_store_error_not_a_lost_lock(
     s3.client.delete_object(Bucket=BUCKET, Key="revoked/out/job.lock")
     with pytest.raises(BatchgenError, match="lost the lock"):
         ObjectLock(OutputLayout(s3.url("revoked/out")), run=lock.run).check()
+
+
+def test_a_lock_whose_pid_is_this_process_or_a_later_process_is_taken_over(s3: S3) -> None:
+    """A restarted container gives the rerun the dead run's pid, or an unrelated process has
+    it now: the lock records when its process started, so either is seen as gone. A lock this
+    process holds, or a live process's with its own start time, stays in use."""
+    import socket
+
+    def _start_time(pid: int) -> int:  # /proc/<pid>/stat field 22
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2 :].split()[19])
+
+    layout = OutputLayout(s3.url("pid/out"))
+    host = socket.gethostname()
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        try:
+            started = _start_time(live.pid)
+            dead = [
+                {"pid": os.getpid(), "host": host, "run": "dead-run"},  # this process' pid
+                {"pid": live.pid, "host": host, "run": "dead-run", "started": started - 1},
+            ]
+            for owner in dead:
+                s3.put("pid/out/job.lock", json.dumps(owner).encode())
+                with ObjectLock(layout) as lock:
+                    body = json.loads(s3.get("pid/out/job.lock"))
+                    assert body["run"] == lock.run and body["started"] == _start_time(os.getpid())
+            owner = {"pid": live.pid, "host": host, "run": "live-run", "started": started}
+            s3.put("pid/out/job.lock", json.dumps(owner).encode())
+            with pytest.raises(
+                BatchgenError, match=f"in use by another batchgen run \\(pid {live.pid}"
+            ):
+                ObjectLock(layout).acquire()
+        finally:
+            live.kill()
+    s3.client.delete_object(Bucket=BUCKET, Key="pid/out/job.lock")
+    with ObjectLock(layout), pytest.raises(BatchgenError, match="in use"):
+        ObjectLock(layout).acquire()  # held by this process: not stale

@@ -6,9 +6,12 @@ What it guarantees:
 - a run checks before every shard commit that the lock object still names its run (as the
   other ranks of a data-parallel job do, RankLock), and writes no more rows when it does not;
 - a lock left by a killed run is taken over when the run took it on this host and its process
-  is gone. The takeover is a conditional PUT on the stale object's ETag (If-Match): of two
-  runs taking over at once, one wins. A lock taken on another host cannot be judged from here:
-  the error names its owner and the object to delete once that run is known to be gone.
+  is gone: no process has its pid, or the one that has it started later (the lock records its
+  process's start time), or it is this process, which does not hold that lock (a restarted
+  container gives the rerun the same pid). The takeover is a conditional PUT on the stale
+  object's ETag (If-Match): of two runs taking over at once, one wins. A lock taken on another
+  host cannot be judged from here: the error names its owner and the object to delete once
+  that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from batchgen.errors import BatchgenError
@@ -26,6 +30,7 @@ from batchgen.io.fs import ObjectPath, is_object, store_error
 from batchgen.io.layout import OutputLayout
 
 _PRECONDITION_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+_HELD: set[str] = set()  # the runs whose lock this process holds now
 
 
 def output_lock(layout: OutputLayout) -> OutputLock:
@@ -43,7 +48,9 @@ class ObjectLock:
 
     def acquire(self) -> None:
         lock: ObjectPath = self.layout.lock
-        body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run": self.run})
+        pid = os.getpid()
+        owner = {"pid": pid, "host": socket.gethostname(), "run": self.run}
+        body = json.dumps(owner | {"started": _start_time(pid)})
         try:
             try:
                 lock.write_whole(lambda f: f.write(body.encode()), IfNoneMatch="*")
@@ -56,6 +63,7 @@ class ObjectLock:
         except Exception as exc:  # the store library's own errors (auth, bucket, network)
             raise store_error(exc, self.layout.dir, "writing the lock of") from exc
         self._held = True
+        _HELD.add(self.run)
 
     def _take_over(self, lock: ObjectPath, body: str) -> None:
         etag = lock.fs.info(lock.key)["ETag"]
@@ -77,6 +85,7 @@ class ObjectLock:
         if not self._held:
             return
         self._held = False
+        _HELD.discard(self.run)
         with contextlib.suppress(Exception):  # a lock left behind is taken over next time
             if _owner(self.layout.lock).get("run") == self.run:
                 self.layout.lock.unlink(missing_ok=True)
@@ -104,11 +113,27 @@ def _owner(lock: ObjectPath) -> dict[str, Any]:
     return owner if isinstance(owner, dict) else {}
 
 
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot: /proc/<pid>/stat field 22); None
+    where there is no such process or no /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2 :].split()[19])  # fields from the 3rd on
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _stale(owner: dict[str, Any]) -> bool:
-    """Taken on this host by a process that is gone."""
+    """Taken on this host by a process that is gone: its pid is no process's, or this one's
+    (which holds no such lock), or a process's that started after it."""
     pid = owner.get("pid")
     if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
         return False
+    if pid == os.getpid():
+        return owner.get("run") not in _HELD
+    started = owner.get("started")
+    if isinstance(started, int) and _start_time(pid) not in (None, started):
+        return True  # the pid was given to another process since
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
