@@ -492,3 +492,20 @@ def test_a_lock_whose_pid_is_this_process_or_a_later_process_is_taken_over(s3: S
     s3.client.delete_object(Bucket=BUCKET, Key="pid/out/job.lock")
     with ObjectLock(layout), pytest.raises(BatchgenError, match="in use"):
         ObjectLock(layout).acquire()  # held by this process: not stale
+
+
+@pytest.mark.parametrize("fmt", ["auto", "arrow", "jsonl"])
+def test_a_save_to_disk_folder_on_s3_is_refused_in_one_line(
+    s3: S3, tmp_path: Path, fmt: str
+) -> None:
+    """Its dataset_info.json is no JSONL input, and datasets maps such a folder from a local
+    disk only."""
+    datasets = pytest.importorskip("datasets")
+    from batchgen.io.readers import InputConfig, open_input
+
+    datasets.Dataset.from_dict({"prompt": PROMPTS}).save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "saved").iterdir():
+        s3.put(f"saved/ds/{path.name}", path.read_bytes())
+    with pytest.raises(BatchgenError, match="save_to_disk folders must be local") as caught:
+        open_input(InputConfig(path=s3.url("saved/ds"), format=fmt))
+    assert s3.url("saved/ds") in str(caught.value) and "\n" not in str(caught.value)

@@ -1,5 +1,7 @@
 """Which files an input path names, the one rule for local and object-store input:
 
+- a folder holding a save_to_disk marker at its top is a saved dataset (local only);
+
 - a folder (prefix) names its data files below it, but none under a part that starts with
   '.' or '_' (a writer's temp files, _SUCCESS, .spark-staging/);
 - a glob names what Python's glob matches: a hidden name (a part that starts with '.') after
@@ -13,10 +15,24 @@ import fnmatch
 import glob
 from pathlib import PurePosixPath
 
+from batchgen.errors import BatchgenError
+
+# a folder holding one of these at its top is a datasets.save_to_disk folder
+SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+
 
 def folder_skips(relative: PurePosixPath | str) -> bool:
     """Whether a folder's reader skips the file at `relative` (its path below the folder)."""
     return any(part.startswith((".", "_")) for part in PurePosixPath(relative).parts)
+
+
+def saved_dataset_on_a_store(raw: str) -> BatchgenError:
+    """The refusal of a save_to_disk folder named by a URL (datasets maps it from a local
+    disk only)."""
+    return BatchgenError(
+        f"{raw!r} is a datasets.save_to_disk folder on an object store: save_to_disk folders "
+        "must be local; copy it to a local folder, or write its rows as parquet or jsonl"
+    )
 
 
 def static_parts(pattern: str) -> int:

@@ -26,7 +26,12 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
 from batchgen.io.fs import arrow_file, common_folder, scheme_of
-from batchgen.io.input_names import folder_skips, glob_skips
+from batchgen.io.input_names import (
+    SAVED_DATASET_MARKERS,
+    folder_skips,
+    glob_skips,
+    saved_dataset_on_a_store,
+)
 from batchgen.io.output_schema import common_type
 from batchgen.io.remote_input import find_objects
 
@@ -38,7 +43,6 @@ FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
     (".jsonl", ".json", ".ndjson"), "jsonl"
 )
-SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 SCHEMA_SAMPLE_LINES = 100  # JSONL columns = union of keys of this many parseable lines
 COUNT_CHUNK_BYTES = 1 << 20  # JSONL files are counted (and sniffed) in chunks of this size
 PARQUET_BUFFER_BYTES = 1 << 20  # column chunks are read through a buffer of this size
@@ -570,8 +574,10 @@ def _import_datasets(what: str) -> Any:
 
 
 def _open_saved(config: InputConfig) -> InputSource:
-    datasets = _import_datasets("a datasets.save_to_disk folder")
     raw = config.path
+    if scheme_of(raw):
+        raise saved_dataset_on_a_store(raw)
+    datasets = _import_datasets("a datasets.save_to_disk folder")
     try:
         ds = datasets.load_from_disk(str(Path(raw).expanduser()))  # memory-mapped, not loaded
     except Exception as exc:  # datasets raises many types for a bad folder

@@ -9,7 +9,12 @@ import glob
 
 from batchgen.errors import BatchgenError
 from batchgen.io.fs import URL_SCHEMES, ObjectPath, as_path, store_error
-from batchgen.io.input_names import folder_skips, glob_skips
+from batchgen.io.input_names import (
+    SAVED_DATASET_MARKERS,
+    folder_skips,
+    glob_skips,
+    saved_dataset_on_a_store,
+)
 
 
 def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
@@ -28,9 +33,12 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
             return [(ObjectPath(root.fs, root.scheme, k), f"{root.scheme}://{k}") for k in keys]
         if _kind(root) == "file":
             return [(root, raw)]
+        found = list(root.rglob("*"))
+        if any(str(path.relative_to(root)) in SAVED_DATASET_MARKERS for path in found):
+            raise saved_dataset_on_a_store(raw)
         files = [
             path
-            for path in root.rglob("*")
+            for path in found
             if path.suffix.lower() in wanted and not folder_skips(path.relative_to(root))
         ]
     except BatchgenError:
