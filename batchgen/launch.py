@@ -86,7 +86,7 @@ def watch_launcher() -> None:
 def _wait_all(procs: list[subprocess.Popen]) -> None:
     failed_at: float | None = None  # when a rank first exited with an error
     termed_at: float | None = None  # when the others were sent SIGTERM
-    while any(p.poll() is None for p in procs):
+    while _running(procs):
         codes, now = [p.returncode for p in procs], time.monotonic()
         if termed_at is None:
             if any(c for c in codes) and failed_at is None:
@@ -98,6 +98,11 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
         elif now - termed_at > GRACE_S:
             _signal_all(procs, signal.SIGKILL)
         time.sleep(POLL_S)
+
+
+def _running(procs: list[subprocess.Popen]) -> bool:
+    """Polls every rank (each poll records its exit status); -> whether any still runs."""
+    return [p.poll() for p in procs].count(None) > 0
 
 
 def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:

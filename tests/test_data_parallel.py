@@ -283,3 +283,25 @@ def test_ranks_whose_launcher_is_killed_stop_and_the_job_resumes(job, tmp_path, 
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert len(results(out)) == ROWS
+
+
+def _wait_in_thread(procs: list[subprocess.Popen]) -> threading.Thread:
+    from batchgen.launch import _wait_all
+
+    waiter = threading.Thread(target=_wait_all, args=(procs,), daemon=True)
+    waiter.start()
+    return waiter
+
+
+@pytest.mark.parametrize("rank_1", ["kill -9 $$", "exit 3"])
+def test_the_launcher_sees_any_rank_exit_and_stops_the_others(rank_1, started, monkeypatch):
+    """Rank 1 killed (the others are sent SIGTERM at once) or failed (SIGTERM once GRACE_S is
+    over, 0 here) while rank 0 runs on until signalled: the launcher stops rank 0 and returns;
+    rank 1's exit is seen although rank 0 is still running."""
+    monkeypatch.setattr("batchgen.launch.GRACE_S", 0.0)
+    rank_0 = start(started, [sys.executable, "-c", "import time; time.sleep(3600)"])
+    rank_1 = start(started, ["sh", "-c", rank_1])
+    waiter = _wait_in_thread([rank_0, rank_1])
+    waiter.join(timeout=60)  # a safety net for the old hang, not a condition
+    assert not waiter.is_alive(), "the launcher never noticed rank 1's exit"
+    assert rank_0.returncode == -signal.SIGTERM
