@@ -199,6 +199,7 @@ def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
             f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start the ranks "
             "with torchrun"
         ) from exc
+    store = attempt_store(store)
     if cuda:
         torch.cuda.set_device(place.local_rank)
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
@@ -210,6 +211,15 @@ def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def attempt_store(store: dist.Store) -> dist.Store:
+    """The store's keys of this attempt alone: torchrun's restarts (--max-restarts) keep its
+    store, where the attempt before left its process group's addresses and its heartbeat."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return dist.PrefixStore(f"attempt{attempt}", store)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -305,3 +305,39 @@ def test_the_launcher_sees_any_rank_exit_and_stops_the_others(rank_1, started, m
     waiter.join(timeout=60)  # a safety net for the old hang, not a condition
     assert not waiter.is_alive(), "the launcher never noticed rank 1's exit"
     assert rank_0.returncode == -signal.SIGTERM
+
+
+FAIL_ON_FIRST_ATTEMPT = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import batchgen.engine.engine as engine
+
+    step, steps = engine.Engine.step, []
+
+    def failing_step(self):
+        steps.append(1)
+        if len(steps) == 5:
+            raise RuntimeError("rank 1 fails on the first attempt")
+        return step(self)
+
+    engine.Engine.step = failing_step
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_ranks_and_the_job_finishes(job, tmp_path, started):
+    """torchrun --max-restarts 1 keeps its store over the restart: the second attempt's ranks
+    meet and follow each other apart from the first attempt's keys (its process group's
+    addresses, its stop), and the job finishes, every row once."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FAIL_ON_FIRST_ATTEMPT)
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts"]
+    cmd = command(job, out, *torchrun, "1", "--nproc-per-node", "2")
+    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
+    proc = start(started, cmd, **env(PYTHONPATH=path))
+    _, stderr = proc.communicate(timeout=600)
+    assert "rank 1 fails on the first attempt" in stderr, "the first attempt failed"
+    assert proc.returncode == 0, stderr[-3000:]
+    assert results(out) == job.expected
