@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs
 
 LAUNCHED = "BATCHGEN_LAUNCHED"  # set in the ranks `batchgen run --gpus N` starts
 STORE_PREFIX = "batchgen"
+MEET_POLL_S = 0.05  # how often a rank meeting the others looks whether they have come
 T = TypeVar("T")
 
 
@@ -185,32 +187,120 @@ class Group:
 @contextlib.contextmanager
 def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
     """Meet the other ranks (the store at MASTER_ADDR:MASTER_PORT, then the process group);
-    leave the group on exit. timeout_s bounds every wait for the others in a collective."""
+    leave the group on exit. timeout_s bounds every wait for the others: the meeting's, and
+    each collective's."""
     import torch
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    try:
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    except (RuntimeError, ValueError) as exc:
-        raise BatchgenError(
-            f"rank {place.rank} could not meet the other ranks at {where} "
-            f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start the ranks "
-            "with torchrun"
-        ) from exc
-    store = attempt_store(store)
+    store = attempt_store(_connect(place, timeout_s))
+    meet(store, place, timeout_s)
     if cuda:
         torch.cuda.set_device(place.local_rank)
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    dist.init_process_group(
-        backend, store=store, rank=place.rank, world_size=place.world_size, timeout=timeout
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=place.rank,
+            world_size=place.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, ValueError) as exc:  # DistError, gloo's enforce and timeout errors
+        raise BatchgenError(
+            f"rank {place.rank} could not set up the process group with the other ranks "
+            f"({_first_line(exc)[:200]}): check that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, "
+            "where set, name a network interface of this machine through which the ranks "
+            "reach each other, and that WORLD_SIZE is the same on every rank"
+        ) from exc
     try:
         yield Group(place, store)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _connect(place: Place, timeout_s: float) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it (unless torchrun's agent does),
+    the others connect to it. It waits for no other rank: `meet` does."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    hosts = place.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        if not addr or not port:
+            raise ValueError("MASTER_ADDR and MASTER_PORT must both be set")
+        return dist.TCPStore(
+            addr,
+            int(port),
+            place.world_size,
+            is_master=hosts,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=hosts,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise BatchgenError(
+            f"rank {place.rank} could not meet the other ranks at {addr}:{port} "
+            f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start the ranks "
+            "with torchrun"
+        ) from exc
+
+
+def meet(store: dist.Store, place: Place, timeout_s: float) -> None:
+    """Wait (in steps of MEET_POLL_S) until every rank has come to the store, each publishing
+    its WORLD_SIZE. One that differs from this rank's (rank 0's first) raises one line naming
+    it, as does the meeting's wait past timeout_s (naming the ranks that have not come)."""
+    import torch.distributed as dist
+
+    sizes = dist.PrefixStore(f"{STORE_PREFIX}/world_size", store)
+    deadline = time.monotonic() + timeout_s
+    try:
+        sizes.set(str(place.rank), str(place.world_size))
+        sizes.add("come", 1)
+        while not _met(sizes, place):
+            if time.monotonic() > deadline:
+                _not_come(sizes, place, timeout_s)
+            time.sleep(MEET_POLL_S)
+    except (RuntimeError, ValueError) as exc:  # the store's host is gone (rank 0 stopped)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise JobStopped(
+            f"rank {place.rank} lost the store at {where} before the ranks met "
+            f"({_first_line(exc)[:200]}): the rank that hosts it (rank 0) stopped; its lines "
+            "say why"
+        ) from exc
+
+
+def _met(sizes: dist.Store, place: Place) -> bool:
+    """Whether every rank has come (rank 0's and then every rank's WORLD_SIZE checked)."""
+    if not sizes.check(["0"]):
+        return False
+    _same_world(place, 0, int(sizes.get("0")))
+    if int(sizes.add("come", 0)) < place.world_size:
+        return False
+    got = sizes.multi_get([str(k) for k in range(place.world_size)])
+    for k, size in enumerate(got):
+        _same_world(place, k, int(size))
+    return True
+
+
+def _same_world(place: Place, rank: int, world_size: int) -> None:
+    if world_size != place.world_size:
+        raise BatchgenError(
+            f"rank {rank} has WORLD_SIZE={world_size} but rank {place.rank} has "
+            f"WORLD_SIZE={place.world_size}: start every rank with the same WORLD_SIZE (torchrun "
+            "sets it from --nnodes and --nproc-per-node)"
+        )
+
+
+def _not_come(sizes: dist.Store, place: Place, timeout_s: float) -> None:
+    missing = [k for k in range(place.world_size) if not sizes.check([str(k)])]
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    raise BatchgenError(
+        f"rank {place.rank} could not meet the other ranks at {where}: rank(s) "
+        f"{', '.join(map(str, missing))} had not come within runtime.rank_timeout_s="
+        f"{timeout_s:g} s: start every rank (with the same MASTER_ADDR / MASTER_PORT and "
+        "WORLD_SIZE), or start the ranks with torchrun"
+    )
 
 
 def attempt_store(store: dist.Store) -> dist.Store:

@@ -341,3 +341,53 @@ def test_torchrun_restarts_the_ranks_and_the_job_finishes(job, tmp_path, started
     assert "rank 1 fails on the first attempt" in stderr, "the first attempt failed"
     assert proc.returncode == 0, stderr[-3000:]
     assert results(out) == job.expected
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_world_sizes_stop_with_one_line(job, tmp_path, started):
+    """Rank 0 says WORLD_SIZE=2, rank 1 says 3: both stop as soon as they meet, with a line
+    naming the other rank's WORLD_SIZE (exit 2); nothing is written."""
+    out = tmp_path / "out"
+    base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ranks = [
+        start(started, command(job, out), **base, RANK=str(r), WORLD_SIZE=str(w))
+        for r, w in ((0, 2), (1, 3))
+    ]
+    lines = [rank.communicate(timeout=300)[1].strip().splitlines()[-1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], lines
+    assert lines[0].startswith("batchgen: error: rank 1 has WORLD_SIZE=3 but rank 0 has "), lines
+    assert lines[1].startswith("batchgen: error: rank 0 has WORLD_SIZE=2 but rank 1 has "), lines
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_network_interface_that_is_not_there_is_one_line_on_every_rank(job, tmp_path, started):
+    """GLOO_SOCKET_IFNAME naming no interface of this machine: each rank of `--gpus 2` says
+    that it could not set up the process group and what to check (exit 2, not a bug)."""
+    out = tmp_path / "out"
+    cmd = [*command(job, out), "--gpus", "2"]
+    launcher = start(started, cmd, **env(GLOO_SOCKET_IFNAME="no-such-interface0"))
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
+    assert len(lines) == 2, stderr
+    for line in lines:
+        assert "could not set up the process group with the other ranks" in line
+        assert "GLOO_SOCKET_IFNAME" in line and "WORLD_SIZE" in line
+
+
+@pytest.mark.slow
+def test_a_rank_that_waits_alone_stops_naming_the_ranks_that_did_not_come(job, tmp_path, started):
+    """Rank 0 of 3 started alone: once runtime.rank_timeout_s is over it stops with one line
+    naming ranks 1 and 2 (exit 2)."""
+    cmd = [*command(job, tmp_path / "out"), "--set", "runtime.rank_timeout_s=1"]
+    base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+    rank = start(started, cmd, **base, RANK="0")
+    _, stderr = rank.communicate(timeout=300)
+    assert rank.returncode == 2, stderr
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .startswith("batchgen: error: rank 0 could not meet the other ranks at 127.0.0.1:")
+    )
+    assert "rank(s) 1, 2 had not come within runtime.rank_timeout_s=1 s" in stderr
