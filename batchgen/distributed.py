@@ -20,10 +20,12 @@ import contextlib
 import dataclasses
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from batchgen.errors import BatchgenError, JobStopped
@@ -35,8 +37,10 @@ if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs
     from batchgen.engine.config import EngineConfig
 
 LAUNCHED = "BATCHGEN_LAUNCHED"  # set in the ranks `batchgen run --gpus N` starts
+RANK_EXITS = "BATCHGEN_RANK_EXITS"  # where `batchgen run --gpus N` notes its ranks' exits
 STORE_PREFIX = "batchgen"
 MEET_POLL_S = 0.05  # how often a rank meeting the others looks whether they have come
+CONNECT_TRY_S = 1.0  # how long one try to connect to the store lasts
 T = TypeVar("T")
 
 
@@ -221,29 +225,46 @@ def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
 
 def _connect(place: Place, timeout_s: float) -> dist.Store:
     """The store at MASTER_ADDR:MASTER_PORT: rank 0 hosts it (unless torchrun's agent does),
-    the others connect to it. It waits for no other rank: `meet` does."""
-    import torch.distributed as dist
-
+    the others connect to it, in tries of CONNECT_TRY_S (between them, a rank looks whether
+    another rank has exited) until timeout_s is over. It waits for no other rank: `meet`
+    does."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     hosts = place.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    try:
-        if not addr or not port:
-            raise ValueError("MASTER_ADDR and MASTER_PORT must both be set")
-        return dist.TCPStore(
-            addr,
-            int(port),
-            place.world_size,
-            is_master=hosts,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            multi_tenant=hosts,
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise BatchgenError(
-            f"rank {place.rank} could not meet the other ranks at {addr}:{port} "
-            f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start the ranks "
-            "with torchrun"
-        ) from exc
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try_s = timeout_s if hosts else min(CONNECT_TRY_S, max(deadline - time.monotonic(), 0))
+        try:
+            if not addr or not port:
+                raise ValueError("MASTER_ADDR and MASTER_PORT must both be set")
+            return _tcp_store(addr, int(port), place.world_size, hosts, try_s, timeout_s)
+        except (RuntimeError, ValueError) as exc:
+            if hosts or isinstance(exc, ValueError) or time.monotonic() >= deadline:
+                raise BatchgenError(
+                    f"rank {place.rank} could not meet the other ranks at {addr}:{port} "
+                    f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start "
+                    "the ranks with torchrun"
+                ) from exc
+        _peer_exited(place)
+
+
+def _tcp_store(
+    addr: str, port: int, world_size: int, hosts: bool, connect_s: float, timeout_s: float
+) -> dist.Store:
+    """A store hosted here (hosts) or a connection to it; its waits time out after
+    timeout_s."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=hosts,
+        timeout=timedelta(seconds=connect_s),
+        wait_for_workers=False,
+        multi_tenant=hosts,
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def meet(store: dist.Store, place: Place, timeout_s: float) -> None:
@@ -258,6 +279,7 @@ def meet(store: dist.Store, place: Place, timeout_s: float) -> None:
         sizes.set(str(place.rank), str(place.world_size))
         sizes.add("come", 1)
         while not _met(sizes, place):
+            _peer_exited(place)
             if time.monotonic() > deadline:
                 _not_come(sizes, place, timeout_s)
             time.sleep(MEET_POLL_S)
@@ -281,6 +303,39 @@ def _met(sizes: dist.Store, place: Place) -> bool:
     for k, size in enumerate(got):
         _same_world(place, k, int(size))
     return True
+
+
+def _peer_exited(place: Place) -> None:
+    """Raises JobStopped where `batchgen run --gpus N` noted that another of its ranks exited
+    (it cannot come to the meeting any more)."""
+    for rank, code in peer_exits(place.rank).items():
+        raise JobStopped(
+            f"rank {rank} {exit_words(code)} before the ranks met (its own lines say why), so "
+            f"rank {place.rank} stops too: run the same command again once that is fixed"
+        )
+
+
+def peer_exits(me: int) -> dict[int, int]:
+    """The other ranks `batchgen run --gpus N` saw exit: rank -> its exit status (-N: killed by
+    signal N); none under another launcher."""
+    folder = os.environ.get(RANK_EXITS)
+    found: dict[int, int] = {}
+    if not folder:
+        return found
+    with contextlib.suppress(OSError):  # the launcher is gone, and its folder with it
+        for name in os.listdir(folder):
+            if name.isdigit() and int(name) != me:
+                found[int(name)] = int(Path(folder, name).read_text())
+    return dict(sorted(found.items()))
+
+
+def exit_words(code: int) -> str:
+    """An exit status as words: "exited with status 4", "was killed by SIGKILL"."""
+    if code >= 0:
+        return f"exited with status {code}"
+    with contextlib.suppress(ValueError):
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"was killed by signal {-code}"
 
 
 def _same_world(place: Place, rank: int, world_size: int) -> None:

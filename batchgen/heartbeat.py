@@ -6,9 +6,10 @@ block the others. Each rank runs a thread that, every BEAT_S:
 - publishes its beat: a counter and its progress so far (rank 0 sums every rank's progress
   for the one progress bar);
 - reads every rank's beat: a rank whose counter has not moved for `timeout_s` is lost (dead,
-  or hung); the first rank to see a loss, to fail or to be interrupted announces it under
-  `stop`, and every rank that reads `stop` sets its job's stop event (the step in flight
-  finishes, the rows done are committed). A rank lost after it ended (its beat says so: its
+  or hung), as is one whose exit `batchgen run --gpus N` noted (at once); the first rank to
+  see a loss, to fail or to be interrupted announces it under `stop`, and every rank that
+  reads `stop` sets its job's stop event (the step in flight finishes, the rows done are
+  committed). A rank lost after it ended (its beat says so: its
   rows are committed) stops no one.
 At the end every rank publishes its RankEnd; rank 0 waits for every rank's end (or its loss),
 writes the final file and the summary, and publishes the outcome; every other rank waits for
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from batchgen.distributed import Failure, Group
+from batchgen.distributed import Failure, Group, exit_words, peer_exits
 
 BEAT_S = 0.5  # how often a rank publishes its beat and reads the others'
 WAIT_POLL_S = 0.2  # the main thread's wait, in steps that let it take signals
@@ -196,15 +197,7 @@ class Heartbeat:
             self._announce(Stop(me, f"rank {me} was interrupted"))
         if self.stopped_by is None and not self._announced and store.check(["stop"]):
             self._stop_by(pickle.loads(store.get("stop")))
-        for k in range(self.world):
-            if k == me or k in self.lost or now - self._seen[k] <= self.timeout_s:
-                continue
-            self.lost.add(k)
-            # a rank lost after its end (its rows committed) or after the outcome stops no one
-            if not beats[k].ended and "outcome" not in self._sent:
-                why = f"rank {k} stopped (no word from it for {self.timeout_s:g} s)"
-                self._announce(Stop(k, why))
-                self._stop_by(Stop(k, why))
+        self._find_lost(beats, now)
         if me == 0:
             self._rank0_waits()
         elif self._end is not None and not self._ended.is_set():
@@ -216,6 +209,25 @@ class Heartbeat:
             elif 0 in self.lost:
                 self._ended.set()
                 self._done.set()
+
+    def _find_lost(self, beats: list[Beat], now: float) -> None:
+        """Ranks not heard from for timeout_s, or seen to exit by `batchgen run --gpus N`, are
+        lost; one lost before its end stops the job."""
+        exits = peer_exits(self.rank)
+        for k in range(self.world):
+            if k == self.rank or k in self.lost:
+                continue
+            if k in exits:
+                why = f"rank {k} {exit_words(exits[k])}"
+            elif now - self._seen[k] > self.timeout_s:
+                why = f"rank {k} stopped (no word from it for {self.timeout_s:g} s)"
+            else:
+                continue
+            self.lost.add(k)
+            # a rank lost after its end (its rows committed) or after the outcome stops no one
+            if not beats[k].ended and "outcome" not in self._sent:
+                self._announce(Stop(k, why))
+                self._stop_by(Stop(k, why))
 
     def _rank0_waits(self) -> None:
         store = self.store

@@ -10,7 +10,10 @@ others through the heartbeat; a rank killed by a signal is not heard from, so th
 sent SIGTERM at once (they commit and exit). Any rank still running GRACE_S later is sent
 SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank 0's. A rank whose launcher
 dies (SIGKILL, which it cannot pass on) sends itself SIGTERM (`watch_launcher`): it commits and
-exits instead of running on unattended, holding the output directory.
+exits instead of running on unattended, holding the output directory. The launcher notes each
+rank's exit status in a folder the ranks know (RANK_EXITS): the others' heartbeat counts a rank
+whose exit is noted lost at once, and a rank still waiting to meet the others stops at once,
+naming it.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from batchgen.distributed import LAUNCHED
+from batchgen.distributed import LAUNCHED, RANK_EXITS
 
 GRACE_S = 30.0  # how long ranks may take to stop on their own once one has failed
 POLL_S = 0.1
@@ -35,8 +40,14 @@ WATCH_S = 0.5  # how often a rank looks for its launcher
 
 def launch(ranks: int, argv: list[str]) -> int:
     """Run `batchgen <argv>` as `ranks` ranks; -> the exit status for this process."""
+    with tempfile.TemporaryDirectory(prefix="batchgen-ranks-") as exits:
+        return _launch(ranks, argv, Path(exits))
+
+
+def _launch(ranks: int, argv: list[str], exits: Path) -> int:
     env = {
         **os.environ,
+        RANK_EXITS: str(exits),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(ranks),
@@ -59,7 +70,7 @@ def launch(ranks: int, argv: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _wait_all(procs)
+        _wait_all(procs, exits)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -83,11 +94,13 @@ def watch_launcher() -> None:
     threading.Thread(target=watch, name="batchgen-launcher-watch", daemon=True).start()
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> None:
+def _wait_all(procs: list[subprocess.Popen], exits: Path | None = None) -> None:
     failed_at: float | None = None  # when a rank first exited with an error
     termed_at: float | None = None  # when the others were sent SIGTERM
     while _running(procs):
         codes, now = [p.returncode for p in procs], time.monotonic()
+        if exits is not None:
+            _note_exits(codes, exits)
         if termed_at is None:
             if any(c for c in codes) and failed_at is None:
                 failed_at = now
@@ -103,6 +116,16 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
 def _running(procs: list[subprocess.Popen]) -> bool:
     """Polls every rank (each poll records its exit status); -> whether any still runs."""
     return [p.poll() for p in procs].count(None) > 0
+
+
+def _note_exits(codes: list[int | None], exits: Path) -> None:
+    """Each rank's exit status, once it has one, in the file named by its rank (written whole
+    under another name first: a rank reads it complete or not at all)."""
+    for rank, code in enumerate(codes):
+        note = exits / str(rank)
+        if code is not None and not note.exists():
+            (exits / f".{rank}").write_text(str(code))
+            os.replace(exits / f".{rank}", note)
 
 
 def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:

@@ -391,3 +391,64 @@ def test_a_rank_that_waits_alone_stops_naming_the_ranks_that_did_not_come(job, t
         .startswith("batchgen: error: rank 0 could not meet the other ranks at 127.0.0.1:")
     )
     assert "rank(s) 1, 2 had not come within runtime.rank_timeout_s=1 s" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("gone", "status"), [(1, 1), (0, 4)])
+def test_a_rank_that_exits_before_the_ranks_meet_stops_the_other_at_once(
+    gone, status, job, tmp_path, started
+):
+    """`--gpus 2` where one rank exits (status 4) before it meets the other: the other one,
+    waiting to meet it (rank 0 hosting the store, or rank 1 connecting to it), stops at once
+    with one line naming it and its exit status, instead of waiting runtime.rank_timeout_s.
+    The launcher's status is rank 0's."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        f"import os\nif os.environ.get('RANK') == '{gone}':\n    os._exit(4)\n"
+    )
+    path = os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])
+    launcher = start(
+        started, [*command(job, tmp_path / "out"), "--gpus", "2"], **env(PYTHONPATH=path)
+    )
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == status, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
+    assert lines == [
+        f"batchgen: error: rank {gone} exited with status 4 before the ranks met (its own lines "
+        f"say why), so rank {1 - gone} stops too: run the same command again once that is fixed"
+    ], stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_rank_of_gpus_n_killed_mid_run_stops_the_other_at_once_naming_it(job, tmp_path, started):
+    """SIGKILL of rank 1 of `batchgen run --gpus 2` while both generate: the launcher sees it
+    at once and so does rank 0 (not runtime.heartbeat_timeout_s later): it commits and stops
+    with one line naming rank 1 and its signal (exit 1); the same command finishes the job."""
+    out = tmp_path / "out"
+    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
+    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]
+    launcher = start(started, [*cmd, "--gpus", "2"], **env())
+    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
+    while not (shards_of(out, 0) and shards_of(out, 1)):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the ranks never committed"
+        time.sleep(0.02)
+    rank_1 = next(pid for pid in children_of(launcher.pid) if _rank_of(pid) == "1")
+    os.kill(rank_1, signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "batchgen: error: rank 1 was killed by SIGKILL: the committed rows are kept in "
+        f"{out}; run the same command again to resume"
+    )
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(results(out)) == ROWS
+
+
+def _rank_of(pid: int) -> str:
+    """RANK in a process's environment (Linux /proc)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e[5:].decode() for e in env if e.startswith(b"RANK="))
