@@ -164,7 +164,7 @@ def run(
 ) -> None:
     """Run JOB (a TOML spec) or a job given by options; resumes where it stopped. Under
     torchrun, each process is one rank of a data-parallel job."""
-    from batchgen.distributed import LAUNCHED, place_from_env
+    from batchgen.distributed import LAUNCHED, RANK_CPP_LOG_LEVEL, place_from_env
 
     place = place_from_env()
     if gpus is not None and place is not None and not os.environ.get(LAUNCHED):
@@ -178,9 +178,10 @@ def run(
 
         watch_launcher()
     lead = place is None or place.rank == 0  # the rank that reports the job
-    if place is not None:  # before torch loads: its C++ warnings (a peer's closed socket,
-        # with a stack) would bury the line that says which rank stopped; =WARNING shows them
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if place is not None:  # before torch loads: its C++ log lines (a peer's closed socket, a
+        # store it cannot reach, each with a stack) would bury the line that says which rank
+        # stopped and why; =WARNING shows them
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", RANK_CPP_LOG_LEVEL)
     flags = (("runtime.quiet=true",) if quiet else ()) + (
         ("runtime.profile=true",) if profile else ()
     )

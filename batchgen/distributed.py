@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs
     from batchgen.engine.config import EngineConfig
 
 LAUNCHED = "BATCHGEN_LAUNCHED"  # set in the ranks `batchgen run --gpus N` starts
+RANK_CPP_LOG_LEVEL = "FATAL"  # TORCH_CPP_LOG_LEVEL in a rank unless set: no C++ log lines
 RANK_EXITS = "BATCHGEN_RANK_EXITS"  # where `batchgen run --gpus N` notes its ranks' exits
 STORE_PREFIX = "batchgen"
 MEET_POLL_S = 0.05  # how often a rank meeting the others looks whether they have come
@@ -238,9 +239,11 @@ def _connect(place: Place, timeout_s: float) -> dist.Store:
                 raise ValueError("MASTER_ADDR and MASTER_PORT must both be set")
             return _tcp_store(addr, int(port), place.world_size, hosts, try_s, timeout_s)
         except (RuntimeError, ValueError) as exc:
-            if hosts or isinstance(exc, ValueError) or time.monotonic() >= deadline:
+            tried = not hosts and not isinstance(exc, ValueError)  # tries until the deadline
+            if not tried or time.monotonic() >= deadline:
+                within = f" within runtime.rank_timeout_s={timeout_s:g} s" if tried else ""
                 raise BatchgenError(
-                    f"rank {place.rank} could not meet the other ranks at {addr}:{port} "
+                    f"rank {place.rank} could not meet the other ranks at {addr}:{port}{within} "
                     f"({_first_line(exc)[:200]}): check MASTER_ADDR / MASTER_PORT, or start "
                     "the ranks with torchrun"
                 ) from exc

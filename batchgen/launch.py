@@ -3,17 +3,17 @@ does for one node, without torchrun).
 
 Each rank is the same command again, with the environment torchrun would give it: RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT (rank 0
-hosts the store), OMP_NUM_THREADS=1 unless set. The ranks run in a session of their own: each
-SIGINT or SIGTERM this process gets is passed on to every rank once, so Ctrl-C stops the job
-and a second Ctrl-C aborts it, as for one process. A rank that exits with an error stops the
-others through the heartbeat; a rank killed by a signal is not heard from, so the others are
-sent SIGTERM at once (they commit and exit). Any rank still running GRACE_S later is sent
-SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank 0's. A rank whose launcher
-dies (SIGKILL, which it cannot pass on) sends itself SIGTERM (`watch_launcher`): it commits and
-exits instead of running on unattended, holding the output directory. The launcher notes each
-rank's exit status in a folder the ranks know (RANK_EXITS): the others' heartbeat counts a rank
-whose exit is noted lost at once, and a rank still waiting to meet the others stops at once,
-naming it.
+hosts the store), OMP_NUM_THREADS=1 and TORCH_CPP_LOG_LEVEL=FATAL unless set. The ranks run in
+a session of their own: each SIGINT or SIGTERM this process gets is passed on to every rank
+once, so Ctrl-C stops the job and a second Ctrl-C aborts it, as for one process. A rank that
+exits with an error stops the others through the heartbeat; a rank killed by a signal is not
+heard from, so the others are sent SIGTERM at once (they commit and exit). Any rank still
+running GRACE_S later is sent SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank
+0's. A rank whose launcher dies (SIGKILL, which it cannot pass on) sends itself SIGTERM
+(`watch_launcher`): it commits and exits instead of running on unattended, holding the output
+directory. The launcher notes each rank's exit status in a folder the ranks know (RANK_EXITS):
+the others' heartbeat counts a rank whose exit is noted lost at once, and a rank still waiting
+to meet the others stops at once, naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchgen.distributed import LAUNCHED, RANK_EXITS
+from batchgen.distributed import LAUNCHED, RANK_CPP_LOG_LEVEL, RANK_EXITS
 
 GRACE_S = 30.0  # how long ranks may take to stop on their own once one has failed
 POLL_S = 0.1
@@ -56,6 +56,7 @@ def _launch(ranks: int, argv: list[str], exits: Path) -> int:
         LAUNCHER_PID: str(os.getpid()),
     }
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", RANK_CPP_LOG_LEVEL)  # before the rank imports torch
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "batchgen", *argv],

@@ -452,3 +452,19 @@ def _rank_of(pid: int) -> str:
     """RANK in a process's environment (Linux /proc)."""
     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return next(e[5:].decode() for e in env if e.startswith(b"RANK="))
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_reach_the_store_says_so_in_one_line(job, tmp_path, started):
+    """Rank 1 of 2 pointed at a port where no store listens: once runtime.rank_timeout_s is
+    over it stops with batchgen's line alone (exit 2); torch's C++ log lines (a stack per try
+    to connect) are off in a rank unless TORCH_CPP_LOG_LEVEL is set."""
+    cmd = [*command(job, tmp_path / "out"), "--set", "runtime.rank_timeout_s=2"]
+    base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    base.pop("TORCH_CPP_LOG_LEVEL", None)
+    rank = start(started, cmd, **base, RANK="1")
+    _, stderr = rank.communicate(timeout=300)
+    assert rank.returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("batchgen: error: rank 1 could not meet the other ranks at ")
