@@ -147,3 +147,23 @@ def sentencepiece_model(folder: Path, base: Path) -> Path:
         (folder / name).unlink(missing_ok=True)
     fast.save_pretrained(folder)
     return folder
+
+
+Outputs = dict[tuple[str, int], list[int]]  # (request id, sample index) -> generated ids
+
+
+def run_checked(engine: Any, prompts: list[list[int]], params: Any) -> Outputs:
+    """Step an engine to the end; after every step its block bookkeeping holds and no
+    waiting request holds a block; at the end every block is free again."""
+    for i, prompt in enumerate(prompts):
+        assert engine.add_request(prompt, params, default_id=str(i)) is None
+    outs: Outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out
+            outs[(out.request_id, out.sample_index)] = out.output_token_ids
+        engine.blocks.check_invariants()
+        assert all(not r.block_table for r in engine.scheduler.waiting), "a waiting one holds"
+    engine.blocks.check_released()
+    assert engine.blocks.num_free_blocks == engine.num_blocks
+    return outs

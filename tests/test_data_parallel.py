@@ -110,6 +110,22 @@ def start(started: list[subprocess.Popen], cmd: list[str], **env: str) -> subpro
     return proc
 
 
+def start_two_committing(
+    started: list[subprocess.Popen], job: Job, out: Path
+) -> tuple[subprocess.Popen, list[str]]:
+    """`--gpus 2` on a long job (60x the tokens, one sequence at a time), once each rank has
+    committed a shard -> the launcher, and the command that resumes the job."""
+    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
+    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]
+    launcher = start(started, [*cmd, "--gpus", "2"], **env())
+    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
+    while not (shards_of(out, 0) and shards_of(out, 1)):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the ranks never committed"
+        time.sleep(0.02)
+    return launcher, cmd
+
+
 @pytest.fixture(scope="module")
 def job(model_dir, tmp_path_factory) -> Job:
     """The job's input, and its texts when one process runs it."""
@@ -264,18 +280,12 @@ def test_ranks_whose_launcher_is_killed_stop_and_the_job_resumes(job, tmp_path, 
     own (they commit and exit) instead of running on unattended, holding the output
     directory; the same command then finishes the job, every row once."""
     out = tmp_path / "out"
-    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
-    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]  # 60x the tokens
-    launcher = start(started, [*cmd, "--gpus", "2"], **env())
-    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
-    while not (shards_of(out, 0) and shards_of(out, 1)):
-        assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline, "the ranks never committed"
-        time.sleep(0.02)
+    launcher, cmd = start_two_committing(started, job, out)
     ranks = children_of(launcher.pid)
     assert len(ranks) == 2
     launcher.kill()
     launcher.wait()
+    deadline = time.monotonic() + 600  # a safety net, not a condition
     while not all(gone(pid) for pid in ranks):
         assert time.monotonic() < deadline, "the ranks never stopped"
         time.sleep(0.05)
@@ -427,14 +437,7 @@ def test_a_rank_of_gpus_n_killed_mid_run_stops_the_other_at_once_naming_it(job, 
     at once and so does rank 0 (not runtime.heartbeat_timeout_s later): it commits and stops
     with one line naming rank 1 and its signal (exit 1); the same command finishes the job."""
     out = tmp_path / "out"
-    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
-    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]
-    launcher = start(started, [*cmd, "--gpus", "2"], **env())
-    deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
-    while not (shards_of(out, 0) and shards_of(out, 1)):
-        assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline, "the ranks never committed"
-        time.sleep(0.02)
+    launcher, cmd = start_two_committing(started, job, out)
     rank_1 = next(pid for pid in children_of(launcher.pid) if _rank_of(pid) == "1")
     os.kill(rank_1, signal.SIGKILL)
     _, stderr = launcher.communicate(timeout=300)

@@ -12,9 +12,9 @@ import pytest
 
 from batchgen import Engine, EngineConfig, SamplingParams
 from batchgen.engine.prefix_cache import CacheStats
+from tests.helpers import Outputs, run_checked
 
 VOCAB_LOW = 1000
-Outputs = dict[tuple[str, int], list[int]]
 
 
 def shared_prefix_prompts(
@@ -28,19 +28,6 @@ def shared_prefix_prompts(
         prefixes[which[i]] + [rng.randrange(5, VOCAB_LOW) for _ in range(rng.randint(*suffix))]
         for i in range(n)
     ]
-
-
-def run_checked(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Outputs:
-    for i, prompt in enumerate(prompts):
-        assert engine.add_request(prompt, params, default_id=str(i)) is None
-    outs: Outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finish_reason != "error", out
-            outs[(out.request_id, out.sample_index)] = out.output_token_ids
-        engine.blocks.check_invariants()
-    assert engine.blocks.num_free_blocks == engine.num_blocks
-    return outs
 
 
 def on_and_off(

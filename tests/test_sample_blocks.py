@@ -11,8 +11,8 @@ import random
 import pytest
 
 from batchgen import Engine, EngineConfig, SamplingParams
+from tests.helpers import run_checked
 
-Outputs = dict[tuple[str, int], list[int]]
 PARAMS = SamplingParams(max_new_tokens=15, ignore_eos=True, n=3)
 
 
@@ -27,22 +27,6 @@ def engine_for(path, caching: bool, **config) -> Engine:
 def prompts_of(n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, 1000) for _ in range(length)] for _ in range(n)]
-
-
-def run_checked(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Outputs:
-    """Step to the end; after every step: the invariants hold, and no waiting request holds
-    a block."""
-    for i, prompt in enumerate(prompts):
-        assert engine.add_request(prompt, params, default_id=str(i)) is None
-    outs: Outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finish_reason != "error", out
-            outs[(out.request_id, out.sample_index)] = out.output_token_ids
-        engine.blocks.check_invariants()
-        assert all(not r.block_table for r in engine.scheduler.waiting), "a waiting one holds"
-    engine.blocks.check_released()
-    return outs
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
