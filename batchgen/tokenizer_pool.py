@@ -12,7 +12,10 @@ other processes for this reason, and so does a job with `runtime.tokenizer_proce
 - What crosses a pipe is plain data: row values in, token ids and text out.
 - A worker exits when its stdin closes: at the end of the job, or when the job's process dies
   (even by SIGKILL). It never imports the caller's main module, so a script without an
-  `if __name__ == "__main__"` guard is not run again.
+  `if __name__ == "__main__"` guard is not run again. It ignores SIGINT and SIGTERM: a signal
+  sent to the job's whole process group is the job's to handle (commit its rows, then exit).
+- A worker that ends mid-job anyway (the OOM killer) costs no rows: its tasks, and every task
+  after them, run in the job's own process, with one warning.
 
 Until the first worker has started (it imports the tokenizer's module, a second or more), tasks
 run on the job's own threads, so the first rows do not wait for it. Either way the same
@@ -47,6 +50,10 @@ if TYPE_CHECKING:  # a worker does not import pyarrow for a type
 # about what decoding a few thousand tokens there does (72 us per 256 on an H200 host)
 DECODE_CHUNK_TOKENS = 4096
 PICKLE = pickle.HIGHEST_PROTOCOL
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer process ended before answering a task (its task did not fail)."""
 
 
 def row_hash(row: RawRow) -> str:
@@ -100,6 +107,7 @@ class TokenizerPool:
         self._warn = warn or (lambda line: print(line, file=sys.stderr))
         self._closing = threading.Lock()
         self._closed = False
+        self._lost = False  # a worker ended mid-job: tasks run in this process from then on
         if processes > 0:
             self._started = Future()
             threading.Thread(
@@ -133,7 +141,7 @@ class TokenizerPool:
     def in_processes(self) -> bool:
         """Whether tasks go to the worker processes now (they have started)."""
         started = self._started
-        if started is None or not started.done():
+        if self._lost or started is None or not started.done():
             return False
         exc = started.exception()
         if exc is not None:  # a worker could not start: stay in threads
@@ -149,9 +157,45 @@ class TokenizerPool:
         self, rows: list[tuple[RawRow, str | None]], hash_rows: bool
     ) -> Future[list[RowPrompt]]:
         """Build the rows' prompts in a worker process (a thread until they run)."""
-        if self.in_processes:
-            return self._next_worker().call("prepare", rows, self.id_column, hash_rows)
+        if not self.in_processes:
+            return self._prepare_here(rows, hash_rows)
+        out: Future[list[RowPrompt]] = Future()
+        task = self._next_worker().call("prepare", rows, self.id_column, hash_rows)
+        task.add_done_callback(lambda done: self._prepared(done, out, rows, hash_rows))
+        return out
+
+    def _prepare_here(
+        self, rows: list[tuple[RawRow, str | None]], hash_rows: bool
+    ) -> Future[list[RowPrompt]]:
         return self.threads.submit(prepare_rows, self.builder, rows, self.id_column, hash_rows)
+
+    def _prepared(
+        self,
+        done: Future[list[RowPrompt]],
+        out: Future[list[RowPrompt]],
+        rows: list[tuple[RawRow, str | None]],
+        hash_rows: bool,
+    ) -> None:
+        """A worker's answer into `out`; a task whose worker ended is run again here."""
+        exc = done.exception()
+        if not isinstance(exc, WorkerDied):
+            _copy(done, out)
+            return
+        self._lose(exc)
+        try:
+            again = self._prepare_here(rows, hash_rows)
+        except RuntimeError as late:  # the pool is closed: nobody waits for these rows
+            out.set_exception(late)
+            return
+        again.add_done_callback(lambda task: _copy(task, out))
+
+    def _lose(self, exc: WorkerDied) -> None:
+        """A worker ended: from now on every task runs in this process (warned once)."""
+        with self._closing:
+            if self._lost:
+                return
+            self._lost = True
+        self._warn(f"{exc}: tokenizing in threads of the engine's process from here on")
 
     def decode(self, seqs: list[TextIds]) -> list[str]:
         """The output texts of (context, ids) pairs (detokenize.output_text). With
@@ -169,7 +213,14 @@ class TokenizerPool:
             chunks[-1].append(item)
             tokens += len(item[1])
         tasks = [self._next_worker().call("decode", chunk) for chunk in chunks]
-        return [text for task in tasks for text in task.result()]
+        texts: list[str] = []
+        for chunk, task in zip(chunks, tasks, strict=True):
+            try:
+                texts += task.result()
+            except WorkerDied as exc:
+                self._lose(exc)
+                texts += output_texts(self.tokenizer, chunk)
+        return texts
 
     def _next_worker(self) -> _Worker:
         return self.workers[next(self._turn) % len(self.workers)]
@@ -231,9 +282,11 @@ class _Worker:
                 while self._waiting:
                     self._waiting.popleft().set_exception(self._died(exc))
 
-    def _died(self, exc: BaseException) -> RuntimeError:
+    def _died(self, exc: BaseException) -> WorkerDied:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(1.0)  # its exit status, once the pipe shows it gone
         code = self.process.poll()
-        return RuntimeError(
+        return WorkerDied(
             f"a tokenizer process (pid {self.process.pid}) ended"
             + ("" if code is None else f" with exit code {code}")
             + f" ({type(exc).__name__})"
@@ -242,6 +295,15 @@ class _Worker:
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):
             self._to.close()
+
+
+def _copy(task: Future[Any], out: Future[Any]) -> None:
+    """`task`'s result or exception into `out`."""
+    exc = task.exception()
+    if exc is None:
+        out.set_result(task.result())
+    else:
+        out.set_exception(exc)
 
 
 def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
@@ -269,7 +331,10 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
+    # Ctrl-C and SIGTERM (to the job's process group) are the job's to handle: it commits its
+    # rows and closes this worker's stdin
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     prepare_imports()  # before the tokenizer's modules are imported
     answers = os.fdopen(os.dup(1), "wb")  # the protocol's; prints go to stderr
     os.dup2(2, 1)

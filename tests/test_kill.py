@@ -189,3 +189,77 @@ def test_a_second_ctrl_c_aborts_with_one_line_wherever_it_lands() -> None:
     assert done.returncode == 128 + signal.SIGINT, done
     assert "carried on" not in done.stdout
     assert done.stderr.strip() == "batchgen: aborted; committed rows are kept: run again to resume"
+
+
+DECODE_IN_WORKERS = (
+    "import sys, batchgen.tokenizer_pool as pool; pool.DECODE_CHUNK_TOKENS = 1; "
+    "from batchgen.cli import main; sys.argv[0] = 'batchgen'; main()"
+)
+
+
+def test_sigterm_to_the_process_group_with_tokenizer_processes(model_dir, tmp_path) -> None:
+    """systemd stop / scancel signal every process of the job: the tokenizer processes leave
+    it to the job, which commits and exits as a SIGTERM to it alone does, and none outlive it.
+    Every write batch is decoded in the tokenizer processes here (as on a GPU)."""
+    extra = ("--set", "runtime.tokenizer_processes=2")
+    cmd = make_job(model_dir("llama"), tmp_path, "termed", extra)
+    cmd[1:3] = ["-c", DECODE_IN_WORKERS]
+    out = tmp_path / "termed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    wait_for_shards(proc, out, 2, timeout=900)
+    workers = _tokenizer_processes(proc.pid)
+    for pid in workers:  # the group's signal reaches them first, then the job
+        os.kill(pid, signal.SIGTERM)
+    wait_for_shards(proc, out, committed(out) + 1, timeout=900)  # written by the workers
+    assert proc.poll() is None, "the job must be mid-run when signalled"
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert b"Run the same command again to resume" in stderr and b"tokenizer" not in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["complete"] and 0 < summary["rows_committed_total"] < NUM_ROWS
+    deadline = time.monotonic() + 60
+    while _group_alive(proc.pid):
+        assert time.monotonic() < deadline, "a tokenizer process outlived the job"
+        time.sleep(0.05)
+    final = subprocess.run(cmd, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    results(out)
+
+
+def _tokenizer_processes(parent: int) -> list[int]:
+    """The job's two tokenizer processes, once both have set up their signal handling."""
+    deadline = time.monotonic() + 300
+    while True:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and b"batchgen.tokenizer_pool" in cmdline:
+                found.append(int(stat.parent.name))
+        found = [pid for pid in found if _ignores(pid, signal.SIGINT)]
+        if len(found) == 2:
+            return found
+        assert time.monotonic() < deadline, "the tokenizer processes did not start"
+        time.sleep(0.05)
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    ignored = next(int(line.split()[1], 16) for line in lines if line.startswith("SigIgn:"))
+    return bool(ignored >> (sig - 1) & 1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

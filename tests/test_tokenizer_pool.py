@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -149,3 +150,68 @@ def test_tokenizer_processes_setting_is_checked(bad: str) -> None:
     sets = ["input.path='x.jsonl'", "output.dir='out'", f"runtime.tokenizer_processes={bad}"]
     with pytest.raises(BatchgenError, match="tokenizer_processes"):
         load_spec(None, sets)
+
+
+def _started_pool(model_dir, warnings: list[str]) -> tuple[TokenizerPool, Any]:
+    tok = AutoTokenizer.from_pretrained(model_dir("llama"))
+    config = PromptConfig(id_column="uid", passthrough=("k",), sampling_column="sampling")
+    builder = PromptBuilder(config, tok, 64, SamplingParams(max_new_tokens=4))
+    pool = TokenizerPool(builder, tok, "uid", threads=1, processes=2, warn=warnings.append)
+    wait_started(pool)
+    return pool, tok
+
+
+def _decode_tasks(tok: Any) -> list[tuple[Any, list[int]]]:
+    ids = tok("Some text, decoded back.").input_ids
+    return [(ids[:3], ids), ((), ids)] * (2 * DECODE_CHUNK_TOKENS // len(ids))
+
+
+def test_tokenizer_processes_outlive_a_sigterm_to_the_process_group(model_dir) -> None:
+    """A SIGTERM to the whole group is the job's to handle: the workers go on answering."""
+    warnings: list[str] = []
+    pool, tok = _started_pool(model_dir, warnings)
+    try:
+        for worker in pool.workers:
+            worker.process.send_signal(signal.SIGTERM)
+        got = pool.prepare(ROWS, hash_rows=True).result(timeout=120)
+        texts = pool.decode(_decode_tasks(tok))
+        assert all(worker.process.poll() is None for worker in pool.workers)
+        assert pool.in_processes and warnings == []
+    finally:
+        pool.close()
+    assert got == prepare_rows(pool.builder, ROWS, "uid", True)
+    assert texts == output_texts(tok, _decode_tasks(tok))
+
+
+def test_a_killed_tokenizer_process_costs_no_rows(model_dir) -> None:
+    """A worker killed mid-job (the OOM killer): its tasks and all later ones run in the job's
+    process, with the same results and one warning."""
+    warnings: list[str] = []
+    pool, tok = _started_pool(model_dir, warnings)
+    try:
+        for worker in pool.workers:
+            worker.process.kill()
+            worker.process.wait()
+        texts = pool.decode(_decode_tasks(tok))
+        got = [pool.prepare(ROWS, hash_rows=True).result(timeout=120) for _ in range(3)]
+        assert not pool.in_processes
+    finally:
+        pool.close()
+    assert got == [prepare_rows(pool.builder, ROWS, "uid", True)] * 3
+    assert texts == output_texts(tok, _decode_tasks(tok))
+    assert len(warnings) == 1 and "tokenizer process" in warnings[0], warnings
+    assert "exit code -9" in warnings[0]
+
+
+def test_a_killed_tokenizer_process_mid_prepare_costs_no_rows(model_dir) -> None:
+    """The first task to see the worker gone is a prepare: it is run again in this process."""
+    warnings: list[str] = []
+    pool, _ = _started_pool(model_dir, warnings)
+    try:
+        pool.workers[0].process.kill()
+        pool.workers[0].process.wait()
+        got = [pool.prepare(ROWS, hash_rows=False).result(timeout=120) for _ in range(2)]
+    finally:
+        pool.close()
+    assert got == [prepare_rows(pool.builder, ROWS, "uid", False)] * 2
+    assert len(warnings) == 1, warnings
