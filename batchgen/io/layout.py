@@ -17,8 +17,11 @@
 
 from __future__ import annotations
 
+import calendar
 import os
 import re
+import secrets
+import time
 from dataclasses import dataclass
 
 from batchgen.io.fs import AnyPath, as_path, check_output_url
@@ -28,6 +31,23 @@ TEMP_PREFIX = ".tmp-"
 SHARD_PREFIX = "part-"
 PROFILE_PREFIX = "steps-"
 _ROWS = re.compile(r"-n(\d+)\.[a-z]+$")
+RUN_STAMP = "%Y%m%dT%H%M%S"  # a run token's start; in UTC with a "Z" after it (older: local)
+_UTC_STAMP = re.compile(r"^(\d{8}T\d{6})Z-")
+
+
+def new_run_token(where: str) -> str:
+    """A writer's run token: unique, its start in UTC first ("20261130T120000Z-4242-a1b2c3"),
+    so that a run's name orders it whatever time zone it ran in."""
+    return f"{time.strftime(RUN_STAMP, time.gmtime(time.time()))}Z-{where}-{secrets.token_hex(3)}"
+
+
+def run_started(run_token: str) -> float | None:
+    """A run's start (seconds since the epoch) as its token says, None for a token that does
+    not say it in UTC (one written before tokens did)."""
+    match = _UTC_STAMP.match(run_token)
+    if match is None:
+        return None
+    return float(calendar.timegm(time.strptime(match.group(1), RUN_STAMP)))
 
 
 def temp_path(path: AnyPath) -> AnyPath:
@@ -71,9 +91,19 @@ class OutputLayout:
         return self.profile / f"{PROFILE_PREFIX}{run_token}.parquet"
 
     def profile_runs(self) -> list[str]:
-        """Run tokens with profile records, oldest first."""
-        files = sorted(self.profile.glob(f"{PROFILE_PREFIX}*.parquet"))
-        return [p.name.removeprefix(PROFILE_PREFIX).removesuffix(".parquet") for p in files]
+        """Run tokens with profile records, oldest first: by the start their token names in
+        UTC, or (a token in local time) by when the records were last written; a directory's
+        runs never overlap (its lock), so either orders them."""
+        runs = {
+            p.name.removeprefix(PROFILE_PREFIX).removesuffix(".parquet"): p
+            for p in self.profile.glob(f"{PROFILE_PREFIX}*.parquet")
+        }
+
+        def started(run: str) -> tuple[float, str]:
+            at = run_started(run)
+            return (getattr(runs[run].stat(), "st_mtime", 0.0) if at is None else at, run)
+
+        return sorted(runs, key=started)
 
     @staticmethod
     def profile_timeline(folder: AnyPath, run_token: str) -> AnyPath:

@@ -12,7 +12,6 @@ import datetime
 import json
 import math
 import os
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import check_field
 from batchgen.io.atomic import fsync_dir, write_atomic
 from batchgen.io.fs import check_output_url
-from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
+from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout, new_run_token
 
 Row = dict[str, Any]
 
@@ -88,11 +87,11 @@ class ShardWriter:
         self.columns = dict(columns)
         self.shard_rows = shard_rows
         self.shard_seconds = shard_seconds
-        # unique per writer, sortable by start time: "20261130T120000-4242-a1b2c3"; a rank of
-        # a data-parallel job adds its rank ("20261130T120000-4242-r3-a1b2c3"): pids of
-        # processes on different nodes may be equal, ranks of one run are not
+        # unique per writer (layout.new_run_token); a rank of a data-parallel job adds its
+        # rank ("...-4242-r3-..."): pids of processes on different nodes may be equal, ranks of
+        # one run are not
         where = f"{os.getpid()}" if rank is None else f"{os.getpid()}-r{rank}"
-        self.token = f"{time.strftime('%Y%m%dT%H%M%S')}-{where}-{secrets.token_hex(3)}"
+        self.token = new_run_token(where)
         self._seq = 0
         self._rows: list[Row] = []
         self.rows_committed = 0  # rows in the shards this writer committed

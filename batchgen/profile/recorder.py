@@ -80,7 +80,7 @@ class StepRecorder:
             engine.config.overlap,
             engine.config.max_num_seqs,
             engine.num_blocks,
-            time.strftime("%Y-%m-%dT%H:%M:%S"),
+            time.strftime("%Y-%m-%dT%H:%M:%S%z"),  # with its UTC offset
         )
 
     def attach(self) -> StepRecorder:

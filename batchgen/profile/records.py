@@ -67,7 +67,7 @@ class RunInfo(NamedTuple):
     overlap: bool
     max_num_seqs: int
     num_blocks: int
-    started: str  # local wall-clock time of the start, ISO 8601
+    started: str  # local wall-clock time of the start, ISO 8601 with its UTC offset
     stop_host_ms: float | None = None  # when recording stopped (None: the run was killed)
     stop_gpu_ms: float | None = None  # ... on the device clock (CUDA)
 
