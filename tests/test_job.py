@@ -717,3 +717,49 @@ def test_relative_paths_with_a_colon_in_their_first_part_are_local_files(
         assert again.complete and again.summary.resumed and again.summary.run_rows_ok == 0
         assert not (tmp_path / out / "damaged").exists()
         assert len(read_rows(tmp_path / out)) == 6
+
+
+IMPORT_TAKES_1000_S = """
+import json, sys, time
+real = time.perf_counter
+jump = [0.0]
+time.perf_counter = lambda: real() + jump[0]
+
+class SlowEngineImport:  # the engine module's import takes 1000 s on this clock
+    def find_spec(self, name, path=None, target=None):
+        if name == "batchgen.engine.engine":
+            jump[0] += 1000.0
+        return None
+
+sys.meta_path.insert(0, SlowEngineImport())
+from batchgen.job import run_job
+from batchgen.spec import load_spec
+assert "batchgen.engine.engine" not in sys.modules
+result = run_job(load_spec(None, sys.argv[1:]))
+print(json.dumps(result.summary.startup_s))
+"""
+
+
+def test_the_engine_import_counts_in_the_start_up_phases(model_dir, tmp_path: Path) -> None:
+    """An engine in the job's process: importing its module (seconds, the first time) is part
+    of "load", so the phases add up to the time from the start to the first row."""
+    import subprocess
+    import sys
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS[:2]])
+    sets = [
+        f"model.path={json.dumps(str(model_dir('llama')))}",
+        f"input.path={json.dumps(str(inp))}",
+        f"output.dir={json.dumps(str(tmp_path / 'out'))}",
+        "runtime.quiet=true",
+        "runtime.device='cpu'",
+        "runtime.engine_process='thread'",
+        "sampling.max_new_tokens=2",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORT_TAKES_1000_S, *sets], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    phases = json.loads(run.stdout.splitlines()[-1])
+    assert 1000 <= phases["load"] < 2000, phases
+    assert sum(phases.values()) < 2000, phases
