@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,6 +132,7 @@ def sentencepiece_model(folder: Path, base: Path) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer=trainer)
+    tok = _bytes_as_pieces(tok, set(byte_tokens))
     bos = SPECIAL_TOKENS.bos
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
@@ -147,6 +149,17 @@ def sentencepiece_model(folder: Path, base: Path) -> Path:
         (folder / name).unlink(missing_ok=True)
     fast.save_pretrained(folder)
     return folder
+
+
+def _bytes_as_pieces(tok: Any, byte_tokens: set[str]) -> Any:
+    """The trained tokenizer with its byte tokens as ordinary pieces of its vocabulary (ids
+    kept), as in Llama 2's and Mistral's: decoding them keeps their text, however special
+    tokens are skipped. The trainer took them as special tokens only to give them ids."""
+    from tokenizers import Tokenizer
+
+    body = json.loads(tok.to_str())
+    body["added_tokens"] = [t for t in body["added_tokens"] if t["content"] not in byte_tokens]
+    return Tokenizer.from_str(json.dumps(body))
 
 
 Outputs = dict[tuple[str, int], list[int]]  # (request id, sample index) -> generated ids

@@ -124,3 +124,13 @@ def test_a_regex_with_a_leading_space_matches_the_rows_text(spm: Path, tmp_path:
     done = [r for r in rows if r["finish_reason"] == "stop"]
     assert done and all(r["error"] is None for r in rows)
     assert all(re.fullmatch(pattern, r["text"]) for r in done), [r["text"] for r in done]
+
+
+def test_the_test_tokenizer_keeps_byte_pieces_as_text(spm: Path) -> None:
+    """Its byte pieces are ordinary tokens, as Llama 2's and Mistral's are: text they spell
+    (emoji, CJK) is kept however special tokens are skipped."""
+    tok = AutoTokenizer.from_pretrained(spm)
+    text = "Hello 世界 😀 done"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert any(piece.startswith("<0x") for piece in tok.convert_ids_to_tokens(ids))
+    assert tok.decode(ids, skip_special_tokens=True) == text
