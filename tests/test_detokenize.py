@@ -134,3 +134,18 @@ def test_the_test_tokenizer_keeps_byte_pieces_as_text(spm: Path) -> None:
     ids = tok(text, add_special_tokens=False).input_ids
     assert any(piece.startswith("<0x") for piece in tok.convert_ids_to_tokens(ids))
     assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_an_output_after_a_prompt_ending_in_byte_pieces_keeps_its_space(spm: Path) -> None:
+    """The context tokens before an output may begin inside a character spelled in byte pieces
+    (its first bytes cut off): the output still reads as it does after the prompt."""
+    tok = AutoTokenizer.from_pretrained(spm)
+    text = "Hello 世界, the weather 😀 is fine. 日本語のテキスト and ünïcödé 🎉 end."
+    ids = tok(text, add_special_tokens=False).input_ids
+    prompt = tok("Answer:").input_ids
+    whole = output_text(tok, prompt, ids)
+    assert whole == " " + text
+    for k in range(1, len(ids)):
+        head = output_text(tok, prompt, ids[:k])
+        if not head.endswith("\ufffd"):  # not a character split at k
+            assert head + output_text(tok, prompt + ids[:k], ids[k:]) == whole, k

@@ -21,16 +21,18 @@ TextIds = tuple[Sequence[int], Sequence[int]]  # (the tokens before, the output'
 
 def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> str:
     """The text of `ids` as it reads after the tokens `before` (only their last
-    CONTEXT_TOKENS matter), special tokens left out. Where the context's text is not a prefix
-    of the joint text (bytes of one character split across the two), `ids` alone are
-    decoded."""
+    CONTEXT_TOKENS matter), special tokens left out. A context whose first tokens are the last
+    bytes of a character (byte pieces: a run of them that is not whole UTF-8 decodes as U+FFFD
+    each) is shortened until its text is whole. Where no context's text is a prefix of the
+    joint text (bytes of one character split across the two), `ids` alone are decoded."""
     context = list(before[-CONTEXT_TOKENS:])
-    if not context:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-    head = tokenizer.decode(context, skip_special_tokens=True)
-    joint = tokenizer.decode(context + list(ids), skip_special_tokens=True)
-    if joint.startswith(head) and not head.endswith("\ufffd"):
-        return joint[len(head) :]
+    for start in range(len(context)):
+        head = tokenizer.decode(context[start:], skip_special_tokens=True)
+        if head.endswith("\ufffd"):
+            continue
+        joint = tokenizer.decode(context[start:] + list(ids), skip_special_tokens=True)
+        if joint.startswith(head):
+            return joint[len(head) :]
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
