@@ -119,6 +119,17 @@ def test_a_second_call_while_one_is_open_is_refused(served: EngineProcess) -> No
     assert one.finish_reason == "length"
 
 
+def test_a_list_of_params_is_refused_in_one_line_and_the_engine_serves_on(
+    served: EngineProcess,
+) -> None:
+    """The served engine takes one SamplingParams per call: a list of them (which Engine
+    pairs with the prompts) is refused before anything is sent, not failed in the server."""
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with pytest.raises(BatchgenError, match="one SamplingParams per generate call"):
+        list(served.generate([[3, 4], [5, 6]], [params, params]))
+    assert len(list(served.generate([[3, 4]], params))) == 1
+
+
 def test_each_id_is_one_prompts_in_a_served_call(served: EngineProcess) -> None:
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     items = [Prompt([5, 6, 7], "2"), [8, 9], [10, 11], Prompt([5, 6], "2"), [12]]

@@ -55,6 +55,26 @@ def with_params(prompts: Iterable[Any], params: CallParams) -> Iterator[tuple[An
     return zip(prompts, params, strict=True)
 
 
+def check_one_call(generating: bool) -> None:
+    """One generate call at a time per engine: a second one would take the first's results."""
+    if generating:
+        raise BatchgenError(
+            "this engine's previous generate call is still open: take its results to the "
+            "end or close() it before the next call (one call at a time per engine)"
+        )
+
+
+def one_params(params: CallParams) -> SamplingParams:
+    """The call's one SamplingParams, for an engine served in another process, which takes one
+    per call (per-prompt settings ride on each Prompt's sampling overrides)."""
+    if params is None or isinstance(params, SamplingParams):
+        return params or SamplingParams()
+    raise BatchgenError(
+        f"an engine in its own process takes one SamplingParams per generate call, not "
+        f"{_kind(params)}: give per-prompt settings as Prompt(..., sampling={{...}})"
+    )
+
+
 def _kind(value: object) -> str:
     return type(value).__name__
 

@@ -21,7 +21,13 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager, blocks_for
-from batchgen.engine.call_inputs import CallIds, CallParams, as_prompts, with_params
+from batchgen.engine.call_inputs import (
+    CallIds,
+    CallParams,
+    as_prompts,
+    check_one_call,
+    with_params,
+)
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
@@ -227,7 +233,7 @@ class Engine:
         Once `stop` is set, the step in flight is finished and its results yielded; requests
         still running are dropped (their prompts yield nothing).
         """
-        self._check_one_call()
+        check_one_call(self._generating)
         source = with_params(as_prompts(prompts), params)
         self._drop_stale_prefixes()
         if self.runner is not None:
@@ -295,14 +301,6 @@ class Engine:
                 failure.add_note(note)
             return False
         return True
-
-    def _check_one_call(self) -> None:
-        """One generate call at a time: a second one would take the first one's results."""
-        if self._generating:
-            raise BatchgenError(
-                "this engine's previous generate call is still open: take its results to the "
-                "end or close() it before the next call (one call at a time per engine)"
-            )
 
     @property
     def fingerprint(self) -> dict[str, str]:

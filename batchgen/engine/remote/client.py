@@ -290,29 +290,27 @@ class EngineProcess:
     def generate(
         self,
         prompts: Iterable[Any],
-        params: SamplingParams | None = None,
+        params: Any = None,
         *,
         decode: bool = True,
         stop: Any = None,
         check_outputs: bool = True,
     ) -> Iterator[RequestOutput]:
-        """Engine.generate, served: prompts are pulled while the server's window has room (a
-        source may yield NOT_READY), results yielded as they come back. Once `stop` is set,
-        the server finishes the step in flight and drops what still runs."""
-        from batchgen.engine.call_inputs import CallIds, as_prompts
+        """Engine.generate, served (one SamplingParams per call, or None): prompts are pulled
+        while the server's window has room (a source may yield NOT_READY), results yielded as
+        they come back. Once `stop` is set, the server finishes the step in flight and drops
+        what still runs."""
+        from batchgen.engine.call_inputs import CallIds, as_prompts, check_one_call, one_params
         from batchgen.engine.request import NOT_READY
 
         self._check_open()
-        if self._generating:
-            raise BatchgenError(
-                "this engine's previous generate call is still open: take its results to the "
-                "end or close() it before the next call (one call at a time per engine)"
-            )
+        check_one_call(self._generating)
+        params = one_params(params)
         self._calls += 1
         call_id, self._taken, self._pending = self._calls, 0, {}
         recorder = self.recorder
         profile = None if recorder is None else recorder.asked()
-        message = ("generate", call_id, params or SamplingParams(), decode, check_outputs, profile)
+        message = ("generate", call_id, params, decode, check_outputs, profile)
         self.server.send(message)
         window = WINDOW_SEQS * self.config.max_num_seqs
         source, sent = iter(as_prompts(prompts)), 0
