@@ -41,7 +41,7 @@ def model_fingerprint(
     if adapters:  # a model without adapter layers keeps the fingerprint it always had
         out["adapters"] = _digest(repr(adapters))
     if adopted:
-        out["buffers"] = buffers_digest(model).hex()
+        out["buffers"] = buffers_digest(nonpersistent_buffers(model)).hex()
     return out
 
 
@@ -86,13 +86,13 @@ def nonpersistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def buffers_digest(model: torch.nn.Module) -> bytes:
-    """16 bytes over the non-persistent floating-point buffers' shapes, dtypes and contents
-    (weights_sums): their version counters say nothing (LongRoPE copies its factors into
-    inv_freq at every forward)."""
+def buffers_digest(buffers: list[torch.Tensor]) -> bytes:
+    """16 bytes over non-persistent floating-point buffers' (nonpersistent_buffers) shapes,
+    dtypes and contents (weights_sums): their version counters say nothing (LongRoPE copies
+    its factors into inv_freq at every forward)."""
     h = hashlib.blake2b(digest_size=16)
     sums = []
-    for tensor in nonpersistent_buffers(model):
+    for tensor in buffers:
         h.update(f"{tuple(tensor.shape)}:{tensor.dtype};".encode())
         if tensor.numel():
             sums.append(weights_sums(tensor).cpu())

@@ -87,8 +87,9 @@ def weights_version(model: torch.nn.Module) -> WeightsVersion:
         for name, t in (*module._parameters.items(), *module._buffers.items()):
             if t is not None and name not in skip:
                 out.append((t.data_ptr(), -1 if t.is_inference() else t._version))
-    buffers = tuple(t.data_ptr() for t in nonpersistent_buffers(model))
-    return WeightsVersion(tuple(out), buffers, buffers_digest(model), adapter_state(model))
+    buffers = nonpersistent_buffers(model)
+    where = tuple(t.data_ptr() for t in buffers)
+    return WeightsVersion(tuple(out), where, buffers_digest(buffers), adapter_state(model))
 
 
 def set_cpu_threads(config: EngineConfig) -> None:
