@@ -141,3 +141,19 @@ def test_a_forward_that_fails_midway_is_refused_for_failing(family_dir) -> None:
     message = str(caught.value)
     assert "\n" not in message and "cannot run llama models exactly" in message
     assert "its forward pass fails (RuntimeError: expert routing broke)" in message, message
+
+
+def test_a_model_whose_own_pass_fails_on_the_probe_is_refused(family_dir, monkeypatch) -> None:
+    """The probe's reference (the model's own eager attention) failing where batchgen's steps
+    ran (an MLA config whose own attention cannot broadcast its heads, for one) is one line."""
+    from transformers.models.llama import modeling_llama
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", broken)
+    with pytest.raises(BatchgenError) as caught:
+        Engine(family_dir("llama"), engine_config())
+    message = str(caught.value)
+    assert "\n" not in message and "cannot run llama models exactly" in message
+    assert "its own forward pass fails on the probe input (RuntimeError: The size" in message

@@ -98,7 +98,8 @@ def _eager_steps(engine: Engine) -> Iterator[None]:
 def _compare(engine: Engine, family: str) -> None:
     """The probe requests through the engine against the model's own forward pass."""
     prompts = _probe_prompts(engine)
-    scales = calibrate_kv_scales(engine, prompts) if engine.kv_dtype == FP8_DTYPE else None
+    with _own_pass(family):
+        scales = calibrate_kv_scales(engine, prompts) if engine.kv_dtype == FP8_DTYPE else None
     params = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, logprobs=PROBE_TOP)
     with attention_audit() as audit:
         try:
@@ -124,7 +125,8 @@ def _compare(engine: Engine, family: str) -> None:
     peaks: list[tuple[float, str, int]] = []
     tokens = _KV_PEAK.set(peaks), _KV_SCALES.set(scales)
     try:
-        worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
+        with _own_pass(family):
+            worst = max(_difference(engine, prompt, out) for prompt, out in _paired(prompts, outs))
     finally:
         _KV_PEAK.reset(tokens[0])
         _KV_SCALES.reset(tokens[1])
@@ -269,6 +271,21 @@ def _scale(scales: list[tuple[float, float]] | None, layer: int, what: str) -> f
     if scales is None or not 0 <= layer < len(scales):
         return 1.0
     return scales[layer][what == "values"]
+
+
+@contextlib.contextmanager
+def _own_pass(family: str) -> Iterator[None]:
+    """The model's own forward pass on the probe input: where it fails (a config its own
+    attention cannot run), the model is refused in one line; running out of memory is not the
+    model's fault and stays as it is."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        raise _refuse(
+            family, f"its own forward pass fails on the probe input ({_line(exc)})"
+        ) from exc
 
 
 def _refuse(family: str, reason: str) -> ModelRefused:
