@@ -94,13 +94,30 @@ class PromptConfig:
         return list(dict.fromkeys(c for c in cols if c is not None))
 
 
+CONVERSIONS = ("r", "s", "a")  # str.format's !r, !s and !a
+
+
 def template_fields(template: str) -> list[str]:
+    """The columns a template names; ValueError for anything str.format would fail on with
+    every row (a nested field in a format spec, an unknown conversion)."""
     try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        parsed = [p for p in string.Formatter().parse(template) if p[1] is not None]
     except ValueError as exc:
         raise ValueError(f"template {template!r} is malformed: {exc}") from exc
+    names = [name for _, name, _, _ in parsed]
     if any(not n or not n.isidentifier() for n in names):
         raise ValueError(f"template {template!r} must name columns like {{column}}")
+    for _, name, spec, conversion in parsed:
+        if spec and ("{" in spec or "}" in spec):
+            raise ValueError(
+                f"template {template!r}: field {{{name}}} has a field inside its format spec "
+                f"({spec!r}): a format spec must be fixed text, such as {{{name}:>10}}"
+            )
+        if conversion is not None and conversion not in CONVERSIONS:
+            raise ValueError(
+                f"template {template!r}: field {{{name}}} has the conversion !{conversion}: "
+                "use !r, !s or !a, or none"
+            )
     return names
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from batchgen import BatchgenError
+from batchgen.prompts import PromptConfig
 from batchgen.spec import load_spec
 
 BASE = ["input.path='in.jsonl'", "output.dir='out'"]
@@ -60,6 +61,28 @@ def test_a_template_that_names_no_column_is_refused(template: str) -> None:
     if template:  # one fixed prompt, each row with its own seed: many samples, all different
         spec = load_spec(None, [*BASE, "prompt.seed_column='seed'"], {"prompt.template": template})
         assert spec.prompt.template == template
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{x:{y}}", r"field \{x\} has a field inside its format spec"),
+        ("Q: {x:>{width}} {y}", r"field \{x\} has a field inside its format spec"),
+        ("{x:{{}}}", r"field \{x\} has a field inside its format spec"),
+        ("{x!z}", r"field \{x\} has the conversion !z: use !r, !s or !a"),
+        ("{x} {y!q:>3}", r"field \{y\} has the conversion !q"),
+    ],
+)
+def test_a_template_that_every_row_would_fail_is_refused(template: str, message: str) -> None:
+    """A nested field in a format spec or an unknown conversion: str.format fails on every
+    row, so the spec is refused when it is read (validate too), in one line."""
+    with pytest.raises(BatchgenError, match=message) as info:
+        load_spec(None, BASE, {"prompt.template": template})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        PromptConfig(template=template)
+    spec = load_spec(None, BASE, {"prompt.template": "{x!r:>12} {y!s} {z:.3}"})
+    assert spec.prompt.columns_used() == ["x", "y", "z"]
 
 
 @pytest.mark.parametrize(
