@@ -12,6 +12,7 @@ from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
 PROMPT_SOURCES = ("column", "template", "messages_column")
 TRUNCATE = ("error", "left", "right")
+SYSTEM_ROLES = ("system", "developer")  # developer: OpenAI's newer name for the system role
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class PromptBuilder:
         cfg, tok = self.config, self.tokenizer
         if cfg.messages_column is not None:
             messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
-            if cfg.system_prompt is not None and messages[0].get("role") != "system":
+            if cfg.system_prompt is not None and messages[0].get("role") not in SYSTEM_ROLES:
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

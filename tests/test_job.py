@@ -298,6 +298,28 @@ def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     assert "must hold a non-empty list" in bad["error"]
 
 
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_a_system_prompt_is_not_added_before_a_system_or_developer_message(
+    model_dir, role: str
+) -> None:
+    """developer is OpenAI's newer name for the system role: a conversation that begins with
+    one has its system message, and system_prompt is only for those that begin without."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    config = PromptConfig(messages_column="m", system_prompt="Be brief.")
+    builder = PromptBuilder(config, tokenizer, 500, SamplingParams())
+    own = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    bare = [{"role": "user", "content": "Hi"}]
+    kept, added = builder.build_many([(0, {"m": own}), (1, {"m": bare})])
+    assert kept.error is None and added.error is None
+    text = tokenizer.decode(kept.prompt_ids)
+    assert "Be brief." not in text and "Answer in French." in text
+    assert "Be brief." in tokenizer.decode(added.prompt_ids)
+
+
 LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] | trim + '<|im_end|>' }}{% endfor %}"
