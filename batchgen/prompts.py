@@ -8,6 +8,7 @@ import string
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+from batchgen.engine.prompt_text import check_unicode
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
 PROMPT_SOURCES = ("column", "template", "messages_column")
@@ -268,8 +269,7 @@ class PromptBuilder:
     def _checked(self, text: str) -> str:
         """The prompt text, if it can be encoded and could fit; cut (by characters, to a
         length that still holds more tokens than fit) where it is truncated anyway."""
-        if writable(text) != text:
-            raise ValueError("prompt is not valid Unicode (it holds a lone surrogate)")
+        check_unicode(text)
         if len(text) <= self.short_prompt_chars or len(text) <= self.max_prompt_chars:
             return text
         mode = self.config.truncate

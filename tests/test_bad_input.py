@@ -177,3 +177,17 @@ def test_text_whose_tokens_the_model_lacks_is_an_error(model_dir) -> None:
     assert "is outside the vocabulary [0, 300): the tokenizer gives ids" in outs["text"].error
     assert outs["ids"].finish_reason == "length"
     small.close()
+
+
+def test_a_text_prompt_that_is_not_valid_unicode_is_an_error_result(engine: Engine) -> None:
+    """A lone surrogate (json.loads('"\\ud800"') gives one) in one text prompt: its result is
+    an error naming it, as the job's rows are; the other prompts complete."""
+    bad = "caf" + chr(0xD800)
+    items = [Prompt("fine prompt", request_id="a"), Prompt(bad, request_id="bad")]
+    items.append(Prompt("another fine prompt", request_id="b"))
+    outs = {o.request_id: o for o in engine.generate(items, SamplingParams(max_new_tokens=2))}
+    assert outs["bad"].finish_reason == "error"
+    assert outs["bad"].error == (
+        "request bad: prompt is not valid Unicode (it holds a lone surrogate)"
+    )
+    assert outs["a"].finish_reason == outs["b"].finish_reason == "length"

@@ -52,6 +52,7 @@ from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
 from batchgen.engine.probe import check_model
+from batchgen.engine.prompt_text import check_unicode
 from batchgen.engine.quant.convert import check_adopted
 from batchgen.engine.request import (
     NOT_READY,
@@ -723,6 +724,7 @@ class Engine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("text prompt but the engine has no tokenizer: pass token ids")
+            check_unicode(prompt)
             return self._text_ids(prompt)
         vocab = self.shape.vocab_size
         if type(prompt) is VocabChecked and prompt.vocab == vocab and prompt:
