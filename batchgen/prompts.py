@@ -8,7 +8,7 @@ import string
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
-from batchgen.engine.prompt_text import check_unicode
+from batchgen.engine.prompt_text import check_one_bos, check_unicode
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
 PROMPT_SOURCES = ("column", "template", "messages_column")
@@ -198,6 +198,8 @@ class PromptBuilder:
             ):
                 r = out[i]
                 try:
+                    if special:  # a chat template's text is encoded without special tokens
+                        check_one_bos(self.tokenizer, r.text, ids, "use messages_column")
                     ids = self._truncate(list(ids), r.max_new_tokens)
                 except ValueError as exc:
                     out[i] = RowPrompt(r.index, r.row_id, None, {}, r.passthrough, str(exc))

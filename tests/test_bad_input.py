@@ -191,3 +191,17 @@ def test_a_text_prompt_that_is_not_valid_unicode_is_an_error_result(engine: Engi
         "request bad: prompt is not valid Unicode (it holds a lone surrogate)"
     )
     assert outs["a"].finish_reason == outs["b"].finish_reason == "length"
+
+
+def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_result(engine: Engine) -> None:
+    """The tokenizer adds its BOS before a text that begins with one already (a chat template
+    rendered upstream): an error result naming it, not a prompt with two; others complete."""
+    bos = engine.tokenizer.bos_token
+    items = [Prompt(bos + "Hello there", request_id="two"), Prompt("Hello there", request_id="one")]
+    outs = {o.request_id: o for o in engine.generate(items, SamplingParams(max_new_tokens=2))}
+    assert outs["two"].finish_reason == "error"
+    assert outs["two"].error == (
+        f"request two: the prompt text already begins with the BOS token {bos}, and the "
+        "tokenizer adds another: remove it from the text, or pass token ids"
+    )
+    assert outs["one"].prompt_token_ids.count(engine.tokenizer.bos_token_id) == 1

@@ -344,6 +344,41 @@ def test_a_system_prompt_is_not_added_before_a_system_or_developer_message(
     assert "Be brief." in tokenizer.decode(added.prompt_ids)
 
 
+def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_row(
+    model_dir, tmp_path: Path
+) -> None:
+    """A text rendered by a chat template upstream begins with the BOS token's text; the
+    tokenizer adds its own BOS before it, so the model would see two: an error row naming it
+    (column and template alike). A BOS text elsewhere, or a tokenizer that adds none, is fine."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+    from tests.test_token_bytes import sentencepiece_style
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(bos)
+    texts = [rendered, bos + bos + "hi", "hi", f"hi {bos} there", " " + rendered]
+    want = "the prompt text already begins with the BOS token " + bos
+    want += ", and the tokenizer adds another: remove it from the text, or use messages_column"
+    for config in (PromptConfig(column="p"), PromptConfig(template="{p}")):
+        builder = PromptBuilder(config, tokenizer, 500, SamplingParams())
+        rows = builder.build_many([(i, {"p": text}) for i, text in enumerate(texts)])
+        assert [r.error for r in rows[:2]] == [want, want]
+        assert rows[0].prompt_ids is None
+        for row in rows[2:]:
+            assert row.error is None and row.prompt_ids[0] == bos_id != row.prompt_ids[1]
+    builder = PromptBuilder(PromptConfig(template=bos + "Q: {q}"), tokenizer, 500, SamplingParams())
+    assert builder.build(0, {"q": "x"}).error == want
+    plain = sentencepiece_style(tmp_path)  # adds no BOS of its own
+    builder = PromptBuilder(PromptConfig(column="p"), plain, 500, SamplingParams())
+    (row,) = builder.build_many([(0, {"p": "<s>Hello"})])
+    assert row.error is None and row.prompt_ids[0] == plain.bos_token_id
+    assert row.prompt_ids.count(plain.bos_token_id) == 1
+
+
 LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] | trim + '<|im_end|>' }}{% endfor %}"

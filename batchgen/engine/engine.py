@@ -52,7 +52,7 @@ from batchgen.engine.output_check import output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
 from batchgen.engine.probe import check_model
-from batchgen.engine.prompt_text import check_unicode
+from batchgen.engine.prompt_text import check_one_bos, check_unicode
 from batchgen.engine.quant.convert import check_adopted
 from batchgen.engine.request import (
     NOT_READY,
@@ -748,6 +748,7 @@ class Engine:
         ids = list(self.tokenizer(text).input_ids)
         if not ids:
             raise ValueError("prompt is empty: its text has no tokens")
+        check_one_bos(self.tokenizer, text, ids, "pass token ids")
         vocab = self.shape.vocab_size
         bad = outside_vocab(ids, vocab)
         if bad is not None:

@@ -3,6 +3,8 @@ text with the tokenizer's special tokens): each names what is wrong in one line.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def check_unicode(text: str) -> None:
     """ValueError where the text holds a lone surrogate (no tokenizer or file can hold it)."""
@@ -10,3 +12,27 @@ def check_unicode(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("prompt is not valid Unicode (it holds a lone surrogate)") from None
+
+
+def check_one_bos(tokenizer: Any, text: str, ids: list[int], instead: str) -> None:
+    """ValueError where the text begins with the BOS token's text and the tokenizer added its
+    own BOS before it (ids: the text's ids with special tokens), so the model would see two.
+    instead: what else to pass, named in the message."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not isinstance(bos, str) or not bos or bos_id is None or not text.startswith(bos):
+        return
+    in_text = _leading(text, bos)
+    in_ids = next((i for i, token in enumerate(ids) if token != bos_id), len(ids))
+    if in_ids > in_text:
+        raise ValueError(
+            f"the prompt text already begins with the BOS token {bos}, and the tokenizer adds "
+            f"another: remove it from the text, or {instead}"
+        )
+
+
+def _leading(text: str, piece: str) -> int:
+    """How many times text begins with piece, one after another."""
+    count = 0
+    while text.startswith(piece, count * len(piece)):
+        count += 1
+    return count
