@@ -360,10 +360,46 @@ def _messages(value: Any, column: str) -> list[dict[str, Any]]:
                 f"content, not {type(message).__name__}"
             )
         try:
-            out.append({**message, "content": message_text(message.get("content"))})
+            out.append(chat_message(message))
         except ValueError as exc:
             raise ValueError(f"column {column!r} message {i}: {exc}") from exc
     return out
+
+
+def chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with a string role as the chat template gets it, as vLLM passes it: its
+    content as message_text gives it, and an assistant's tool calls with their function
+    arguments as objects (JSON text parsed: tool-use templates render them with tojson), an
+    empty or null tool_calls left out; ValueError naming what is wrong. The message itself is
+    left unchanged."""
+    out = {**message, "content": message_text(message.get("content"))}
+    if message["role"] == "assistant" and "tool_calls" in out:
+        calls = out.pop("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"tool_calls must be a list of tool calls, not {type(calls).__name__}")
+        if calls:
+            out["tool_calls"] = [_tool_call(call, j) for j, call in enumerate(calls)]
+    return out
+
+
+def _tool_call(call: Any, index: int) -> dict[str, Any]:
+    """One assistant tool call with its arguments as a JSON object (none or "" as {})."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise ValueError(
+            f'tool_calls[{index}] must be a function call: {{"type": "function", "function": '
+            '{"name", "arguments"}}'
+        )
+    arguments = function.get("arguments") or {}
+    where = f"tool_calls[{index}].function.arguments"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where} must be a JSON object, not {type(arguments).__name__}")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def message_text(content: Any) -> str:

@@ -379,6 +379,56 @@ def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_row(
     assert row.prompt_ids.count(plain.bos_token_id) == 1
 
 
+TOOL_TEMPLATE = (  # renders tool calls as Qwen2.5's template does (arguments | tojson)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if 'tool_calls' in m %}[calls]{% for tc in m.tool_calls %}{% set f = tc.function %}"
+    '<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}</tool_call>'
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def tool_turns(arguments: object, calls: list | None = None) -> list[dict]:
+    """A user question, an assistant turn calling a tool (OpenAI's format: arguments is JSON
+    text) and the tool's answer."""
+    call = {"id": "c1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": arguments}
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call] if calls is None else calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "20C"},
+    ]
+
+
+def test_tool_call_arguments_reach_the_chat_template_as_objects(model_dir) -> None:
+    """As vLLM passes them: arguments given as JSON text are parsed (a template renders them
+    with tojson, which would quote the text again), an empty tool_calls is left out; arguments
+    that are not a JSON object make an error row."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = TOOL_TEMPLATE
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    given = tool_turns('{"city": "Paris"}')
+    rows = [given, tool_turns({"city": "Paris"}), tool_turns(""), tool_turns(None, calls=[])]
+    rows += [tool_turns('{"city": '), tool_turns("[1, 2]"), tool_turns(None, calls=[5])]
+    text, parsed, empty, none, broken, array, odd = builder.build_many(
+        [(i, {"m": m}) for i, m in enumerate(rows)]
+    )
+    assert text.error is None and text.prompt_ids == parsed.prompt_ids
+    rendered = tokenizer.decode(text.prompt_ids)
+    assert '"arguments": {"city": "Paris"}}</tool_call>' in rendered
+    assert given[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert '"arguments": {}}' in tokenizer.decode(empty.prompt_ids)
+    assert none.error is None and "[calls]" not in tokenizer.decode(none.prompt_ids)
+    assert broken.prompt_ids is None and broken.error.startswith(
+        "column 'm' message 1: tool_calls[0].function.arguments is not valid JSON: "
+    )
+    assert "arguments must be a JSON object, not list" in array.error
+    assert "tool_calls[0] must be a function call" in odd.error
+
+
 LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] | trim + '<|im_end|>' }}{% endfor %}"

@@ -22,7 +22,7 @@ from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
 from batchgen.token_bytes import TokenBytes
 from tests.helpers import stop_after
-from tests.test_job import spec_for, write_jsonl
+from tests.test_job import TOOL_TEMPLATE, spec_for, tool_turns, write_jsonl
 from tests.test_token_bytes import sentencepiece_style
 
 openai_types = pytest.importorskip("openai.types")
@@ -652,3 +652,23 @@ def test_truncation_leaves_room_for_each_lines_max_tokens(model: Path) -> None:
     assert chat.prompt_ids is None
     assert "leaving less than max_new_tokens=60 of the model's context of 64" in chat.error
     assert "truncate='right' would cut off the chat template's turn" in chat.error
+
+
+def test_tool_call_arguments_are_parsed_as_the_job_path_parses_them(model: Path) -> None:
+    """One owner for chat messages: a chat line's tool call arguments reach the template as the
+    job's rows' do; arguments that are not JSON make the line an invalid_value error line."""
+    from batchgen.prompts import PromptBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    builder = RequestBuilder(PromptConfig(), tokenizer, 500, SamplingParams(), ())
+    line = parse_request(request("a", messages=tool_turns('{"city": "Paris"}'), tools=[]), None, 1)
+    rows = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    job = rows.build(0, {"m": tool_turns('{"city": "Paris"}')})
+    assert builder.build(0, line).prompt_ids == job.prompt_ids
+    assert '"arguments": {"city": "Paris"}}' in tokenizer.decode(job.prompt_ids)
+    broken = parse_request(request("b", messages=tool_turns("{city")), None, 2)
+    assert (broken["error_code"], broken["error_param"]) == ("invalid_value", "messages")
+    assert broken["error_message"].startswith(
+        "message 1: tool_calls[0].function.arguments is not valid JSON: "
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.engine.sampling_params import MAX_TOKENS, SamplingParams
-from batchgen.prompts import message_text
+from batchgen.prompts import chat_message
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -302,14 +302,13 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             "missing_required_parameter", "messages must be a non-empty list", "messages"
         )
     out = []
-    for message in value:
+    for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError("invalid_value", "each message needs a role", "messages")
         try:
-            text = message_text(message.get("content"))
+            out.append(chat_message(message))
         except ValueError as exc:
-            raise RequestError("invalid_value", f"message {exc}", "messages") from exc
-        out.append({**message, "content": text})
+            raise RequestError("invalid_value", f"message {i}: {exc}", "messages") from exc
     return out
 
 
