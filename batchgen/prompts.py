@@ -8,6 +8,7 @@ import string
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+from batchgen.content_format import ContentFormat, content_format
 from batchgen.engine.prompt_text import check_one_bos, check_unicode
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
@@ -182,6 +183,12 @@ class PromptBuilder:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return self.short_prompt_chars * max(longest, 1)
 
+    @functools.cached_property
+    def content_format(self) -> ContentFormat:
+        """Whether the chat template takes a message's text parts as a list ("openai") or
+        joined into text ("string")."""
+        return content_format(self.tokenizer)
+
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
         return self.build_many([(index, values)])[0]
 
@@ -248,6 +255,8 @@ class PromptBuilder:
             messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
             if cfg.system_prompt is not None and messages[0].get("role") not in SYSTEM_ROLES:
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+            if self.content_format == "string":
+                messages = [_joined(message) for message in messages]
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as exc:  # jinja errors on malformed messages
@@ -368,11 +377,11 @@ def _messages(value: Any, column: str) -> list[dict[str, Any]]:
 
 def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message with a string role as the chat template gets it, as vLLM passes it: its
-    content as message_text gives it, and an assistant's tool calls with their function
+    content as message_content gives it, and an assistant's tool calls with their function
     arguments as objects (JSON text parsed: tool-use templates render them with tojson), an
     empty or null tool_calls left out; ValueError naming what is wrong. The message itself is
     left unchanged."""
-    out = {**message, "content": message_text(message.get("content"))}
+    out = {**message, "content": message_content(message.get("content"))}
     if message["role"] == "assistant" and "tool_calls" in out:
         calls = out.pop("tool_calls")
         if calls is not None and not isinstance(calls, list):
@@ -402,19 +411,29 @@ def _tool_call(call: Any, index: int) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def message_text(content: Any) -> str:
-    """A chat message's content as the chat template gets it: text, or a list of text parts
-    joined by newlines (as vLLM joins them); anything else (no content, an image) is a
-    ValueError, never rendered as Python's repr of it by a template."""
+def message_content(content: Any) -> str | list[dict[str, str]]:
+    """A chat message's content checked: text, or a list of text parts (each made
+    {"type": "text", "text": ...}, as vLLM makes them; joined or not by the builder, as the
+    chat template expects); anything else (no content, an image) is a ValueError, never
+    rendered as Python's repr of it by a template."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
     ):
-        return "\n".join(p["text"] for p in content)
+        return [{"type": "text", "text": p["text"]} for p in content]
     kind = "none" if content is None else type(content).__name__
     raise ValueError(f"content must be text or a list of text parts, not {kind}")
+
+
+def _joined(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its text parts joined by newlines, as vLLM joins them for a template
+    that renders content as text."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def writable(text: str) -> str:

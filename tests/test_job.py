@@ -483,6 +483,42 @@ def test_chat_content_as_text_parts_is_joined_and_other_content_is_an_error_row(
     assert "not list" in image.error and image.prompt_ids is None
 
 
+PARTS_STYLE = (  # loops over a message's content parts itself, as Llama 4's and Gemma 3's do
+    "{{ bos_token }}{% set turns = messages %}{% for m in turns %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content | trim }}{% else %}"
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}[{{ part.text }}]"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_text_parts_are_passed_as_a_list_to_a_template_that_loops_over_them(model_dir) -> None:
+    """As vLLM detects a template's content format: a template that loops over a message's
+    content gets the text parts as a list ({"type": "text", "text": ...}); one that renders
+    content as text gets them joined by newlines."""
+    from transformers import AutoTokenizer
+
+    from batchgen.content_format import template_format
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    parts = [{"type": "text", "text": "Look:", "extra": 1}, {"type": "text", "text": "What?"}]
+    messages = [{"role": "user", "content": parts}]
+    for template, expected in ((PARTS_STYLE, "[Look:][What?]"), (LLAMA3_STYLE, "Look:\nWhat?")):
+        tokenizer.chat_template = template
+        builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+        row = builder.build(0, {"m": messages})
+        assert row.error is None and expected in tokenizer.decode(row.prompt_ids)
+        plain = [{"role": "user", "content": [{"type": "text", "text": p["text"]} for p in parts]}]
+        hf = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        assert (template is PARTS_STYLE) is (row.prompt_ids == tokenizer(hf).input_ids[1:])
+    assert parts[0] == {"type": "text", "text": "Look:", "extra": 1}, "the row is left unchanged"
+    assert template_format(PARTS_STYLE) == "openai" and template_format(LLAMA3_STYLE) == "string"
+    loops = "{% for m in messages %}{% for c in m.content %}{{ c }}{% endfor %}{% endfor %}"
+    assert template_format(loops) == "openai"
+    other = "{% for m in messages %}{% for c in m.tools %}{% endfor %}{% endfor %}"
+    assert template_format(other) == template_format("{% for m in messages") == "string"
+
+
 @pytest.mark.parametrize("prompt", ["prompt.column='prompt'", "prompt.template='Q: {prompt}'"])
 def test_a_system_prompt_without_chat_messages_is_refused(
     model_dir, tmp_path: Path, prompt: str

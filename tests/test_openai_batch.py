@@ -22,7 +22,7 @@ from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
 from batchgen.token_bytes import TokenBytes
 from tests.helpers import stop_after
-from tests.test_job import TOOL_TEMPLATE, spec_for, tool_turns, write_jsonl
+from tests.test_job import PARTS_STYLE, TOOL_TEMPLATE, spec_for, tool_turns, write_jsonl
 from tests.test_token_bytes import sentencepiece_style
 
 openai_types = pytest.importorskip("openai.types")
@@ -672,3 +672,22 @@ def test_tool_call_arguments_are_parsed_as_the_job_path_parses_them(model: Path)
     assert broken["error_message"].startswith(
         "message 1: tool_calls[0].function.arguments is not valid JSON: "
     )
+
+
+def test_text_parts_follow_the_templates_content_format_as_in_job_rows(model: Path) -> None:
+    """A chat line's text parts reach a template that loops over content as a list, and one
+    that renders content as text joined by newlines, as job rows' do."""
+    from batchgen.prompts import PromptBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    parts = [{"type": "text", "text": "Look:"}, {"type": "text", "text": "What?"}]
+    messages = [{"role": "user", "content": parts}]
+    for template in (None, PARTS_STYLE):  # the model's own template first
+        if template is not None:
+            tokenizer.chat_template = template
+        builder = RequestBuilder(PromptConfig(), tokenizer, 500, SamplingParams(), ())
+        line = builder.build(0, parse_request(request("a", messages=messages), None, 1))
+        rows = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+        assert line.prompt_ids == rows.build(0, {"m": messages}).prompt_ids
+        text = tokenizer.decode(line.prompt_ids)
+        assert ("[Look:][What?]" if template else "Look:\nWhat?") in text
