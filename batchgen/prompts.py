@@ -379,9 +379,13 @@ def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message with a string role as the chat template gets it, as vLLM passes it: its
     content as message_content gives it, and an assistant's tool calls with their function
     arguments as objects (JSON text parsed: tool-use templates render them with tojson), an
-    empty or null tool_calls left out; ValueError naming what is wrong. The message itself is
-    left unchanged."""
-    out = {**message, "content": message_content(message.get("content"))}
+    empty or null tool_calls left out; ValueError naming what is wrong. An assistant turn of
+    tool calls only (content null, OpenAI's form) has no text parts. The message itself is left
+    unchanged."""
+    content = message.get("content")
+    if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+        content = []
+    out = {**message, "content": message_content(content)}
     if message["role"] == "assistant" and "tool_calls" in out:
         calls = out.pop("tool_calls")
         if calls is not None and not isinstance(calls, list):

@@ -427,6 +427,13 @@ def test_tool_call_arguments_reach_the_chat_template_as_objects(model_dir) -> No
     )
     assert "arguments must be a JSON object, not list" in array.error
     assert "tool_calls[0] must be a function call" in odd.error
+    calls_only = tool_turns('{"city": "Paris"}')
+    calls_only[1]["content"] = None  # OpenAI's form of an assistant turn that only calls tools
+    no_calls = tool_turns(None, calls=[])
+    no_calls[1]["content"] = None
+    only, bare = builder.build_many([(0, {"m": calls_only}), (1, {"m": no_calls})])
+    assert only.error is None and only.prompt_ids == text.prompt_ids
+    assert "content must be text or a list of text parts, not none" in bare.error
 
 
 LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
