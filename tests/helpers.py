@@ -80,6 +80,25 @@ def stop_after(engine: Any, outputs: int) -> Any:
     return engine
 
 
+def script_outputs(monkeypatch: Any, scripts: dict[int, list[int]]) -> None:
+    """The engine's sampler picks, for a sample whose prompt has P tokens, scripts[P][i] as
+    its i-th output token (its logits forced to that token before any ban or filter)."""
+    from batchgen.engine.sampler import Sampler
+
+    original = Sampler.__call__
+
+    def call(self: Any, logits: torch.Tensor, s: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = logits.clone()
+        for row, position in enumerate(s.positions.tolist()[: logits.shape[0]]):
+            for prompt_len, script in scripts.items():
+                if 0 <= position - prompt_len < len(script):
+                    logits[row] = -1e9
+                    logits[row, script[position - prompt_len]] = 0.0
+        return original(self, logits, s, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "__call__", call)
+
+
 class EagerPadding(StepGraphs):
     """Stands in for StepGraphs on the CPU: pads steps as the graphs would (decode sizes, and
     token sizes for steps with prefill chunks when tokens are given), runs them eagerly."""

@@ -13,7 +13,7 @@ import torch
 from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
 from batchgen.engine.stop_strings import match_stop_strings
 from batchgen.job import run_job
-from tests.helpers import hf_greedy, hf_model, random_prompts
+from tests.helpers import hf_greedy, hf_model, random_prompts, script_outputs
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 
@@ -178,6 +178,43 @@ def test_stop_strings_are_matched_off_the_engine_thread_as_if_after_every_token(
         assert out.finish_reason == ("length" if expected_text is None else "stop")
     assert any(o.finish_reason == "stop" for o in outs)
     eng.blocks.check_invariants()
+
+
+def first_match(tokens: list[int], stop: tuple[str, ...], tok, prompt: list[int], **kw):
+    """The check after every token: (tokens fed when it matched, the text) or None."""
+    for n in range(1, len(tokens) + 1):
+        text = match_stop_strings(
+            tokens[:n], stop, kw.get("include", False), kw.get("min_tokens", 0), tok, prompt
+        )
+        if text is not None:
+            return n, text
+    return None
+
+
+@pytest.mark.parametrize("gap", [1, 9, 40, 200])
+def test_special_tokens_inside_a_stop_string_do_not_hide_it(
+    path: Path, monkeypatch, gap: int
+) -> None:
+    """Special tokens add no text (they are skipped): any number of them between a stop
+    string's characters leaves it a match, as in the text the row shows."""
+    eng = engine(path)
+    tok = eng.tokenizer
+    prompt = tok("Hello there").input_ids
+    a, b = (tok(c, add_special_tokens=False).input_ids for c in ("A", "B"))
+    specials = [i for i in tok.all_special_ids if i not in eng.eos_token_ids]
+    gaps = [specials[i % len(specials)] for i in range(gap)]
+    tail = tok(" and more text", add_special_tokens=False).input_ids
+    for stop in (("AB",), ("xyz", "A" + "B")):
+        assert first_match(a + gaps + b + tail, stop, tok, prompt) == (len(a + gaps + b), "")
+    longer = tok(" so AB", add_special_tokens=False).input_ids
+    spread = [t for token in longer for t in (token, *gaps)]  # gaps after every token
+    assert first_match(spread + tail, ("so A",), tok, prompt)[1] == " "
+    script = a + gaps + b + tail
+    script_outputs(monkeypatch, {len(prompt): script})
+    params = SamplingParams(max_new_tokens=len(script), ignore_eos=True, stop=("AB",))
+    (out,) = eng.generate([prompt], params)
+    assert (out.finish_reason, out.text) == ("stop", "")
+    assert out.output_token_ids == a + gaps + b
 
 
 def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> None:
