@@ -82,20 +82,26 @@ def stop_after(engine: Any, outputs: int) -> Any:
 
 def script_outputs(monkeypatch: Any, scripts: dict[int, list[int]]) -> None:
     """The engine's sampler picks, for a sample whose prompt has P tokens, scripts[P][i] as
-    its i-th output token (its logits forced to that token before any ban or filter)."""
+    its i-th output token (its logits forced to that token before any ban or filter). A later
+    call in the same test replaces the scripts."""
     from batchgen.engine.sampler import Sampler
 
     original = Sampler.__call__
+    if hasattr(original, "scripts"):
+        original.scripts.clear()
+        original.scripts.update(scripts)
+        return
 
     def call(self: Any, logits: torch.Tensor, s: Any, *args: Any, **kwargs: Any) -> Any:
         logits = logits.clone()
         for row, position in enumerate(s.positions.tolist()[: logits.shape[0]]):
-            for prompt_len, script in scripts.items():
+            for prompt_len, script in call.scripts.items():
                 if 0 <= position - prompt_len < len(script):
                     logits[row] = -1e9
                     logits[row, script[position - prompt_len]] = 0.0
         return original(self, logits, s, *args, **kwargs)
 
+    call.scripts = dict(scripts)  # type: ignore[attr-defined]
     monkeypatch.setattr(Sampler, "__call__", call)
 
 

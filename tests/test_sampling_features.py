@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchgen import BatchgenError, Engine, EngineConfig, Prompt, SamplingParams
+from batchgen.engine.detokenize import output_text
 from batchgen.engine.stop_strings import match_stop_strings
 from batchgen.job import run_job
 from tests.helpers import hf_greedy, hf_model, random_prompts, script_outputs
@@ -215,6 +216,36 @@ def test_special_tokens_inside_a_stop_string_do_not_hide_it(
     (out,) = eng.generate([prompt], params)
     assert (out.finish_reason, out.text) == ("stop", "")
     assert out.output_token_ids == a + gaps + b
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_hidden_stop_tokens_text_completes_no_stop_string(
+    path: Path, monkeypatch, include: bool
+) -> None:
+    """A stop token whose text is left out ends the output as a stop token: stop strings its
+    text would complete (or hold whole) do not cut the text before it. Kept in the output
+    (include_stop_str_in_output), its text is matched like any other."""
+    eng = engine(path)
+    tok = eng.tokenizer
+    prompt = tok("Hello there").input_ids
+    body = tok(" one two abc", add_special_tokens=False).input_ids
+    more = tok(" more words", add_special_tokens=False).input_ids
+    for word, stop in (("d", "cd"), (" the", "he"), (" the", " the"), (" the", "c the")):
+        (ending,) = tok(word, add_special_tokens=False).input_ids
+        script = [*body, ending, *more]
+        script_outputs(monkeypatch, {len(prompt): script})
+        params = SamplingParams(
+            max_new_tokens=len(script),
+            stop_token_ids=(ending,),
+            stop=(stop,),
+            include_stop_str_in_output=include,
+        )
+        (out,) = eng.generate([prompt], params)
+        assert out.output_token_ids == [*body, ending], (word, stop)
+        assert out.finish_reason == "stop"
+        whole = output_text(tok, prompt, [*body, ending])
+        want = whole[: whole.find(stop) + len(stop)] if include else " one two abc"
+        assert out.text == want, (word, stop)
 
 
 def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> None:

@@ -5,7 +5,9 @@ The engine feeds each stop-string request's new tokens after every step and carr
 watcher reports the first match as (sample, tokens up to the one that completed it, the text
 cut there). The engine finishes a matched request at its next step, and holds back one that
 ended otherwise (eos, length) until the watcher has checked every token of it. The result is
-the one a check after every token would give: only when the engine learns of it is late.
+the one a check after every token would give: only when the engine learns of it is late. A
+stop or end-of-sequence token that ends a sample with its text left out is not checked: its
+text is not the output's, so it completes no stop string.
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset((*getattr(tokenizer, "all_special_ids", ()), *flagged))
 
 
+def _hidden_end(request: Request, token: int) -> bool:
+    """Whether `token`, the last of an ended sample, is a stop or end-of-sequence token whose
+    text the output leaves out (so it cannot complete a stop string, as in vLLM)."""
+    return token in request.ending_ids and not request.params.include_stop_str_in_output
+
+
 class StopWatcher:
     """One thread matching stop strings for the engine. Only the engine thread calls feed,
     verdicts and forget; the thread owns the token copies it checks."""
@@ -160,8 +168,10 @@ class StopWatcher:
                 continue
             ids = seen.setdefault(key, [])
             params = request.params
-            for token in tokens:
+            for index, token in enumerate(tokens):
                 ids.append(token)
+                if final and index == len(tokens) - 1 and _hidden_end(request, token):
+                    continue  # its text is left out: a stop token's end, not a stop string's
                 text = match_stop_strings(
                     ids,
                     params.stop,
