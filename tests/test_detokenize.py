@@ -12,8 +12,9 @@ from transformers import AutoTokenizer
 
 from batchgen import Engine, EngineConfig, SamplingParams
 from batchgen.engine.detokenize import output_text
+from batchgen.engine.stop_strings import match_stop_strings
 from batchgen.job import run_job
-from tests.helpers import SPM_VOCAB, sentencepiece_model
+from tests.helpers import SPM_VOCAB, script_outputs, sentencepiece_model
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 PROMPTS = [
@@ -149,3 +150,48 @@ def test_an_output_after_a_prompt_ending_in_byte_pieces_keeps_its_space(spm: Pat
         head = output_text(tok, prompt, ids[:k])
         if not head.endswith("\ufffd"):  # not a character split at k
             assert head + output_text(tok, prompt + ids[:k], ids[k:]) == whole, k
+
+
+@pytest.mark.parametrize(
+    "prompt_text", ["Answer: \ufffd", "Answer:\ufffd", "x \ufffd\ufffd", "\ufffd"]
+)
+def test_an_output_after_a_prompt_ending_in_a_real_replacement_character_keeps_its_space(
+    spm: Path, model_dir, monkeypatch, prompt_text: str
+) -> None:
+    """U+FFFD is text like any other character (scraped text holds it): a prompt ending in
+    one is no half character, and the output after it keeps its first token's space."""
+    for folder in (spm, model_dir("llama")):
+        tok = AutoTokenizer.from_pretrained(folder)
+        prompt = tok(prompt_text).input_ids
+        out = tok(" yes it is", add_special_tokens=False).input_ids
+        assert output_text(tok, prompt, out) == " yes it is", folder.name
+        assert output_text(tok, prompt, out) == after_prompt(tok, prompt, out)
+        assert match_stop_strings(out, (" yes",), True, 0, tok, prompt) == " yes"
+    engine = Engine(spm, EngineConfig(device="cpu"))
+    prompt = engine.tokenizer(prompt_text).input_ids
+    out = engine.tokenizer(" yes it is", add_special_tokens=False).input_ids
+    script_outputs(monkeypatch, {len(prompt): out})
+    params = SamplingParams(max_new_tokens=len(out), ignore_eos=True)
+    (free,) = engine.generate([prompt], params)
+    (cut,) = engine.generate([prompt], params.replace(stop=(" it",)))
+    assert (free.text, cut.text, cut.finish_reason) == (" yes it is", " yes", "stop")
+
+
+def test_a_prompt_ending_inside_a_character_is_no_context(spm: Path, model_dir) -> None:
+    """A context whose bytes end inside a character (its U+FFFD is no text) is not read
+    before the output: one whose tokens finish that character decodes alone, and one that
+    starts a new character after a prompt whose text is whole reads as after the prompt."""
+    text = "Hello 世界, the weather 😀 is fine. 日本語のテキスト and ünïcödé 🎉 end."
+    for folder in (spm, model_dir("llama")):
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = tok(text, add_special_tokens=False).input_ids
+        prompt = tok("Answer:").input_ids
+        split = 0
+        for k in range(1, len(ids)):
+            before, after = prompt + ids[:k], ids[k:]
+            if tok.decode(before).endswith("\ufffd"):  # a character split at k
+                split += 1
+                got = output_text(tok, before, after)
+                assert got == tok.decode(after, skip_special_tokens=True), (folder.name, k)
+                assert text.endswith(got.lstrip("\ufffd")), (folder.name, k)
+        assert split, "no character is split: the test checks nothing"

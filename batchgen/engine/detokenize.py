@@ -11,29 +11,58 @@ checks, `Engine.generate`) is decoded here.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.token_bytes import TokenBytes
+
 CONTEXT_TOKENS = 5  # tokens decoded before an output (vLLM's detokenizer starts with 5)
+
+_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, TokenBytes] = weakref.WeakKeyDictionary()
 
 TextIds = tuple[Sequence[int], Sequence[int]]  # (the tokens before, the output's tokens)
 
 
 def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> str:
     """The text of `ids` as it reads after the tokens `before` (only their last
-    CONTEXT_TOKENS matter), special tokens left out. A context whose first tokens are the last
-    bytes of a character (byte pieces: a run of them that is not whole UTF-8 decodes as U+FFFD
-    each) is shortened until its text is whole. Where no context's text is a prefix of the
-    joint text (bytes of one character split across the two), `ids` alone are decoded."""
+    CONTEXT_TOKENS matter), special tokens left out. A context whose text ends in U+FFFD is
+    used only where its bytes are whole UTF-8 (the prompt's own U+FFFD): one that ends inside
+    a character, or whose first tokens are the last bytes of one (byte pieces: a run of them
+    that is not whole UTF-8 decodes as U+FFFD each), is shortened until its text is whole.
+    Where no context's text is a prefix of the joint text (bytes of one character split
+    across the two), `ids` alone are decoded."""
     context = list(before[-CONTEXT_TOKENS:])
     for start in range(len(context)):
         head = tokenizer.decode(context[start:], skip_special_tokens=True)
-        if head.endswith("\ufffd"):
+        if head.endswith("\ufffd") and not _whole_utf8(tokenizer, context[start:]):
             continue
         joint = tokenizer.decode(context[start:] + list(ids), skip_special_tokens=True)
         if joint.startswith(head):
             return joint[len(head) :]
     return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _whole_utf8(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether the bytes of `ids` (special tokens left out) are whole UTF-8 characters."""
+    token_bytes = _token_bytes(tokenizer)
+    data = b"".join(token_bytes(i) for i in ids if i not in token_bytes.special)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _token_bytes(tokenizer: Any) -> TokenBytes:
+    """The tokenizer's TokenBytes (kept per tokenizer where it can be)."""
+    try:
+        found = _TOKEN_BYTES.get(tokenizer)
+    except TypeError:  # neither hashable nor weakly referable: not kept
+        return TokenBytes(tokenizer)
+    if found is None:
+        found = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
+    return found
 
 
 def output_texts(tokenizer: Any, items: Sequence[TextIds]) -> list[str]:
