@@ -249,7 +249,7 @@ def test_a_hidden_stop_tokens_text_completes_no_stop_string(
 
 
 def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> None:
-    """A stop string completed by one of the first min_new_tokens - 1 tokens does not count: the
+    """A stop string completed by one of the first min_new_tokens tokens does not count: the
     text is cut only at a later match, and the text always agrees with the tokens returned."""
     prompts = [Prompt(p, str(i)) for i, p in enumerate(random_prompts(6, 3, 9, 1000, seed=7))]
     base = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -266,7 +266,7 @@ def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> N
     for out in outs:
         stop, ids = cases[out.request_id]
         full = tok.decode(ids, skip_special_tokens=True)
-        floor = len(tok.decode(ids[:5], skip_special_tokens=True).rstrip("\ufffd"))
+        floor = len(tok.decode(ids[:6], skip_special_tokens=True).rstrip("\ufffd"))
         assert out.output_token_ids == ids[: len(out.output_token_ids)]
         assert len(out.output_token_ids) >= 6
         later = full.find(stop, max(0, floor - len(stop) + 1))
@@ -275,6 +275,32 @@ def test_a_stop_string_inside_the_min_new_tokens_is_not_a_match(path: Path) -> N
         else:
             assert (out.finish_reason, out.text) == ("stop", full[:later])
             assert later + len(stop) > floor
+
+
+def test_a_stop_string_must_end_after_the_min_new_tokens(path: Path, monkeypatch) -> None:
+    """As in vLLM: with min_new_tokens=k a stop string counts only where it ends in text after
+    the first k tokens' (the tokens eos is banned for), also where it begins inside them."""
+    eng = engine(path)
+    tok = eng.tokenizer
+    prompt = tok("Hello there").input_ids
+    words = [" one", " two", " three", " the", " cat", " was"]
+    script = [t for w in words for t in tok(w, add_special_tokens=False).input_ids]
+    assert len(script) == len(words)
+    script_outputs(monkeypatch, {len(prompt): script})
+    base = SamplingParams(max_new_tokens=len(script), ignore_eos=True)
+    whole = "".join(words)
+    for k in range(len(script) + 1):
+        for stop in (" three", "ee t", "one two", " cat was"):
+            ends = whole.find(stop) + len(stop)  # its end, in characters
+            tokens_to_end = next(n for n in range(7) if len("".join(words[:n])) >= ends)
+            (out,) = eng.generate([prompt], base.replace(stop=(stop,), min_new_tokens=k))
+            if tokens_to_end > k:
+                assert (out.finish_reason, out.text) == ("stop", whole[: whole.find(stop)])
+                assert len(out.output_token_ids) == tokens_to_end, (k, stop)
+            else:
+                assert (out.finish_reason, out.text) == ("length", whole), (k, stop)
+            expected = first_match(script, (stop,), tok, prompt, min_tokens=k)
+            assert (expected or (0, whole))[1] == out.text
 
 
 def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:

@@ -45,12 +45,14 @@ def match_stop_strings(
     prompt: Sequence[int] = (),
 ) -> str | None:
     """After tokens[-1] was appended: the output text cut at the first stop string, or None.
-    The text is read after the prompt's last tokens (detokenize.output_text).
+    The text is read after the prompt's last tokens (detokenize.output_text). With
+    min_tokens, a match must end in text after that of the first min_tokens tokens (one that
+    begins in it counts), as in vLLM: the same tokens that eos and stop tokens are banned for.
 
     Only the tail that the newest token can have completed a match in is decoded each time;
     the full text is decoded once, when a match is found.
     """
-    if not stop or len(tokens) < min_tokens:
+    if not stop or len(tokens) <= min_tokens:
         return None
     longest = max(len(s) for s in stop)
     start = _tail_start(tokens, BYTES_PER_CHAR * longest + 2, tokenizer)
@@ -61,12 +63,13 @@ def match_stop_strings(
     if not any(s in tail for s in stop):
         return None
     text = output_text(tokenizer, prompt, tokens)
-    # A match must end in text of the min_tokens-th token or a later one: one completed inside
-    # the protected first tokens does not count (the tokens after it are kept, so the text is).
+    # A match must end in text after the first min_tokens tokens' (as in vLLM): one completed
+    # by them does not count, one that begins in their text and ends later does.
     floor = 0
-    if min_tokens > 1:
-        head = output_text(tokenizer, prompt, tokens[: min_tokens - 1])
-        floor = len(head.rstrip("\ufffd"))  # a partial character is not text yet
+    if min_tokens:
+        head = output_text(tokenizer, prompt, tokens[:min_tokens])
+        # a partial character at their end is not text yet (the text holds it whole)
+        floor = len(head) if text.startswith(head) else len(head.rstrip("\ufffd"))
     found = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stop]
     found = [(position, s) for position, s in found if position >= 0]
     if not found:
