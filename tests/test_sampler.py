@@ -70,17 +70,16 @@ def empirical(**values: float) -> torch.Tensor:
 def expected(
     temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 ) -> torch.Tensor:
-    """The definitions, in float64: temperature -> top_k -> top_p -> min_p, renormalized."""
+    """The definitions in vLLM's order, in float64: temperature -> min_p -> top_k -> top_p,
+    each over what the one before kept, renormalized."""
     probs = torch.softmax(LOGITS.double() / temperature, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
+    keep = probs >= min_p * probs.max()
     order = probs.argsort(descending=True)
     if top_k:
         keep[order[top_k:]] = False
     p = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
     before = torch.cumsum(p[order], 0) - p[order]  # mass of strictly more likely tokens
     keep[order[before >= top_p]] = False
-    p = torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()
-    keep &= p >= min_p * p.max()
     return torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()
 
 
@@ -92,12 +91,71 @@ def expected(
         dict(temperature=1.0, top_p=0.6),
         dict(temperature=1.0, min_p=0.2),
         dict(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1),
+        # min_p first, then top_p over what it left (vLLM): 3 tokens; top_p first would keep 2
+        dict(temperature=1.0, top_p=0.6, min_p=0.3),
     ],
 )
 def test_sampling_distributions_match_their_definitions(settings: dict) -> None:
     got, want = empirical(**settings), expected(**settings)
     assert 0.5 * (got - want).abs().sum() < TV_BOUND, (got, want)
     assert (got[want == 0] == 0).all(), "a filtered token was drawn"
+
+
+@pytest.mark.parametrize(
+    "logits, temperature",
+    [
+        ([15.0, 15.0, 9.0], 1e-6),  # a tie (common in bf16 logits): half each
+        ([5.0, 5.0000005, -3.0], 1e-6),  # gaps of 0.5 / T exact whatever the logits' size
+        ([0.0, 5e-7, -3.0], 1e-6),  # the same gap: the same distribution
+        ([2.0, 1.0, 2.0], 1e-20),  # below float32's smallest step of T: the two largest only
+    ],
+)
+def test_tiny_temperatures_draw_exactly(logits: list[float], temperature: float) -> None:
+    """softmax(logits / T) for a T so small that logits / T would round away the gaps."""
+    row = torch.tensor(logits)
+    sampler = Sampler(vocab_size=len(row), device=torch.device("cpu"))
+    s = inputs(DRAWS, temperature=temperature)
+    tokens, _ = sampler(row.expand(DRAWS, -1), s, flags_for(s), None)
+    got = torch.bincount(tokens, minlength=len(row)).double() / DRAWS
+    gaps = row.double() - row.double().max()
+    want = torch.softmax(gaps / max(temperature, 1e-30), dim=-1)
+    assert 0.5 * (got - want).abs().sum() < TV_BOUND, (got, want)
+
+
+def test_keys_that_differ_only_past_32_bits_draw_apart() -> None:
+    """The whole 63-bit key counts: rows whose keys share their low or high half still draw
+    independent noise."""
+    vocab_hash = hash_u32(torch.arange(64, dtype=torch.int64))
+    keys = torch.tensor([5, 5 + 2**32, 5 + 2**40, 7 * 2**32, 9 * 2**32], dtype=torch.int64)
+    noise = gumbel_noise(row_keys(keys, torch.zeros(5, dtype=torch.int64)), vocab_hash)
+    for i in range(5):
+        for j in range(i):
+            assert not torch.equal(noise[i].argsort(), noise[j].argsort())
+
+
+def test_rows_sharing_a_positions_key_do_not_share_the_next() -> None:
+    """Among 300k random 63-bit keys ~10 pairs share a 32-bit key at one position (chance);
+    none may share it at the next too (a key folded to 32 bits before the position was mixed
+    in made such pairs alike at every position: the same text)."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**63 - 1, (300_000,), generator=gen, dtype=torch.int64)
+    zero, one = (row_keys(keys, torch.full_like(keys, p)) for p in (0, 1))
+    pairs = torch.unique(torch.stack((zero, one), dim=1), dim=0)
+    assert len(torch.unique(zero)) < len(keys)  # the chance collisions the test relies on
+    assert len(pairs) == len(keys)
+
+
+def test_seeds_whose_keys_folded_to_32_bits_alike_draw_apart(model_dir) -> None:
+    """Seeds 97422 and 193141 (a pair among the first 200k seeds whose sampling keys once
+    folded to the same 32 bits) draw different text from the same prompt."""
+    engine = Engine(model_dir("llama"), EngineConfig(device="cpu"))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+    prompt = random_prompts(1, 5, 6, 1000, seed=2)[0]
+    items = [
+        Prompt(prompt, request_id=str(seed), sampling={"seed": seed}) for seed in (97422, 193141)
+    ]
+    a, b = (o.output_token_ids for o in engine.generate(items, params))
+    assert a != b
 
 
 def test_greedy_rows_take_the_argmax() -> None:

@@ -309,9 +309,16 @@ def test_bad_sampling_values_are_errors_naming_the_field(path: Path) -> None:
         Prompt("hi", request_id="b", sampling={"n": 0}),
         Prompt("hi", request_id="c", sampling={"min_new_tokens": 9, "max_new_tokens": 3}),
         Prompt("hi", request_id="d"),
+        # beyond float32 on the device: inf / inf would be NaN, a wrong token
+        Prompt("hi", request_id="e", sampling={"temperature": 1e39}),
+        Prompt("hi", request_id="f", sampling={"repetition_penalty": 1e-50}),
+        Prompt("hi", request_id="g", sampling={"repetition_penalty": 1e31}),
     ]
     outs = {o.request_id: o for o in engine(path).generate(items, SamplingParams(max_new_tokens=2))}
     assert "top_p=0.0 must be in (0, 1]" in outs["a"].error
+    assert "temperature=1e+39 must be a number in [0, 1e+30]" in outs["e"].error
+    assert "repetition_penalty=1e-50 must be a number in [1e-30, 1e+30]" in outs["f"].error
+    assert "repetition_penalty=1e+31 must be" in outs["g"].error
     assert "n=0" in outs["b"].error
     assert "min_new_tokens=9 must be <= max_new_tokens=3" in outs["c"].error
     assert outs["d"].finish_reason in ("stop", "length")

@@ -61,7 +61,7 @@ def _mixed_prompts() -> list[Prompt]:
         ("regex", {"regex": REGEX, "temperature": 1.0, "seed": 5}),
         ("choice", {"choice": CHOICES, "temperature": 1.0, "seed": 6}),
         # free JSON keys run long on this model: a draw that closes its object within LIMIT
-        ("object", {"json_object": True, "temperature": 1.5, "seed": 7}),
+        ("object", {"json_object": True, "temperature": 1.5, "seed": 4}),
         ("plain", {"temperature": 1.0, "seed": 8, "max_new_tokens": 20}),
         ("bad-schema", {"json_schema": BAD_SCHEMA}),
         ("bad-regex", {"regex": "(unclosed"}),

@@ -1,9 +1,9 @@
 """Token sampling on the device, with no host synchronization.
 
-Order: penalties -> bans (min_new_tokens) -> temperature -> top_k -> top_p -> min_p, then an
-exact draw by the Gumbel-max trick. Randomness is a counter-based hash of (seed and sample
-index, position, token id), not a global generator, so a seeded request draws the same tokens
-whatever batch it shares and after a resume. Logprobs are those of the raw logits.
+Order (vLLM's): penalties -> bans (min_new_tokens) -> temperature -> min_p -> top_k -> top_p,
+then an exact draw by the Gumbel-max trick. Randomness is a counter-based hash of (seed and
+sample index, position, token id), not a global generator, so a seeded request draws the same
+tokens whatever batch it shares and after a resume. Logprobs are those of the raw logits.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ def hash_u32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[S] int64 keys (any non-negative int64) and positions -> [S] 32-bit keys."""
-    key = hash_u32(seeds & _MASK32) ^ hash_u32((seeds >> 32) & _MASK32 ^ 0x9E3779B9)
-    return hash_u32(hash_u32(key) ^ (positions & _MASK32))
+    """[S] int64 keys (any non-negative int64) and positions -> [S] 32-bit keys, from both
+    halves of the key and the position: keys that differ in one half only never share a
+    position's key, others share one with chance 2**-32 at each position apart (folding the
+    key to 32 bits first made some pair of rows among ~65k draw alike at every position)."""
+    at = positions & _MASK32
+    low = hash_u32(hash_u32(seeds & _MASK32) ^ at)
+    high = hash_u32(hash_u32((seeds >> 32) & _MASK32 ^ 0x9E3779B9) ^ at)
+    return hash_u32(low ^ hash_u32(high ^ 0x85EBCA6B))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
@@ -79,15 +84,22 @@ def filter_top_k_top_p_min_p(
 ) -> torch.Tensor:
     """scaled: [S, V] float32 logits / temperature; filtered entries become the dtype's min.
 
-    As Hugging Face and vLLM define them: top_k keeps every token at least as likely as the
-    k-th; top_p keeps the smallest prefix of the most likely tokens whose mass reaches top_p
-    (a tie at the cut is broken by position, lower token ids dropped first); min_p drops tokens
-    less likely than min_p x the most likely one that is left. A row that asks for no filter
-    (top_k 0, top_p 1, min_p 0) comes back bit for bit, whatever its neighbours ask.
+    In vLLM's order and as it defines them: min_p drops tokens less likely than min_p x the
+    most likely one; top_k keeps every token at least as likely as the k-th (the two commute);
+    top_p then keeps the smallest prefix of the most likely tokens left whose mass (over
+    those left) reaches top_p (a tie at the cut is broken by position, lower token ids dropped
+    first, as in Hugging Face and vLLM). A row that asks for no filter (top_k 0, top_p 1,
+    min_p 0) comes back bit for bit, whatever its neighbours ask.
     """
     neg_inf = torch.finfo(scaled.dtype).min
     vocab = scaled.shape[-1]
     ordered, order = scaled.sort(dim=-1, stable=True)  # ascending
+    if flags.any_top_p_min_p:
+        probs = ordered.softmax(dim=-1)
+        floor = probs[:, -1:] * s.min_p.float()[:, None]  # the most likely token's share
+        drop = (probs < floor) & (s.min_p > 0.0)[:, None]
+        scaled = scaled.masked_fill(drop.scatter(1, order, drop), neg_inf)
+        ordered = ordered.masked_fill(drop, neg_inf)
     if flags.any_top_k:
         k = torch.where(s.top_k > 0, s.top_k, vocab).clamp(max=vocab)
         kth = ordered.gather(1, (vocab - k)[:, None])
@@ -99,9 +111,6 @@ def filter_top_k_top_p_min_p(
         drop = (mass <= threshold) & (s.top_p < 1.0)[:, None]
         drop[:, -1] = False  # the most likely token always stays
         scaled = scaled.masked_fill(drop.scatter(1, order, drop), neg_inf)
-        kept = scaled.softmax(dim=-1)  # renormalized over what top_k and top_p kept
-        floor = kept.max(dim=-1, keepdim=True).values * s.min_p.float()[:, None]
-        scaled = scaled.masked_fill((kept < floor) & (s.min_p > 0.0)[:, None], neg_inf)
     return scaled
 
 
@@ -135,7 +144,7 @@ class Sampler:
             logits = apply_token_bitmask(logits, mask)
         tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if flags.any_random:
-            scaled = logits.float() / s.temperature.float().clamp(min=1e-6)[:, None]
+            scaled = _tempered(logits.float(), s.temperature)
             if flags.any_top_k or flags.any_top_p_min_p:
                 scaled = filter_top_k_top_p_min_p(scaled, s, flags)
             noise = gumbel_noise(
@@ -145,6 +154,15 @@ class Sampler:
         if penalties is not None and flags.any_penalty:
             penalties.count_sampled(s, tokens)
         return tokens, _logprob_pack(raw, tokens, flags.logprobs_k)
+
+
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(logits - the row's largest) / T, float32: measured from the largest, a tiny T leaves
+    the gaps between logits exact (logits / T alone would round them at ~1e7 and break ties
+    toward low ids); a row whose every logit is -inf stays -inf, never NaN."""
+    finfo = torch.finfo(torch.float32)
+    top = logits.amax(dim=-1, keepdim=True).clamp(min=finfo.min)
+    return (logits - top) / temperature.float().clamp(min=finfo.tiny)[:, None]
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 class SamplingParams:
     """What to sample and when to stop. temperature == 0 means greedy.
 
-    Filters apply in the order penalties -> temperature -> top_k -> top_p -> min_p; logprobs
+    Filters apply in vLLM's order penalties -> temperature -> min_p -> top_k -> top_p; logprobs
     are those of the model's own distribution (log_softmax of the raw logits).
     """
 
@@ -105,6 +105,9 @@ MAX_TOKENS = 2**31 - 1  # any token count or id
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device
 MAX_STOP = 64  # stop strings or stop token ids of one request
 MAX_CHOICES = 1024  # strings of one `choice`
+# largest temperature or repetition penalty (smallest penalty: its inverse): logits divided or
+# multiplied by it stay finite in float32 (beyond, inf / inf makes NaN and a wrong token)
+MAX_SCALE = 1e30
 STRUCTURED = ("json_schema", "regex", "choice", "json_object")
 
 
@@ -125,14 +128,18 @@ def _problems(p: SamplingParams) -> list[str]:
     rules = [
         ("max_new_tokens", _is_int(p.max_new_tokens, 1), f"be an integer in [1, {MAX_TOKENS}]"),
         ("min_new_tokens", _is_int(p.min_new_tokens), f"be an integer in [0, {MAX_TOKENS}]"),
-        ("temperature", _is_num(p.temperature) and p.temperature >= 0, "be a number >= 0"),
+        (
+            "temperature",
+            _is_num(p.temperature) and 0 <= p.temperature <= MAX_SCALE,
+            f"be a number in [0, {MAX_SCALE:g}]",
+        ),
         ("top_k", _is_int(p.top_k), f"be an integer in [0, {MAX_TOKENS}] (0 or -1 = off)"),
         ("top_p", _is_num(p.top_p) and 0 < p.top_p <= 1, "be in (0, 1]"),
         ("min_p", _is_num(p.min_p) and 0 <= p.min_p <= 1, "be in [0, 1]"),
         (
             "repetition_penalty",
-            _is_num(p.repetition_penalty) and p.repetition_penalty > 0,
-            "be a number > 0",
+            _is_num(p.repetition_penalty) and 1 / MAX_SCALE <= p.repetition_penalty <= MAX_SCALE,
+            f"be a number in [{1 / MAX_SCALE:g}, {MAX_SCALE:g}]",
         ),
         (
             "presence_penalty",
