@@ -316,27 +316,19 @@ class PromptBuilder:
         return out
 
     def _truncate(self, ids: list[int], max_new_tokens: int) -> list[int]:
-        """With truncation on, a prompt that leaves less room than max_new_tokens in the
-        context cut to leave that room; ValueError where that room leaves no prompt at all
-        (a prompt within the context then runs as it is, to the context's end)."""
+        """A prompt over the context cut to leave room for max_new_tokens; ValueError where
+        that room leaves no prompt at all."""
         mode = self.config.truncate
-        context = self.max_prompt_tokens + 1
-        keep = context - max_new_tokens
-        fits = len(ids) <= self.max_prompt_tokens
-        if mode == "error" or len(ids) <= keep or (fits and keep < 1):
+        if mode == "error" or len(ids) <= self.max_prompt_tokens:
             return ids
+        context = self.max_prompt_tokens + 1
         if mode == "right" and self.config.messages_column is not None:
-            room = (
-                f"more than the model's context of {context:,}"
-                if not fits
-                else f"leaving less than max_new_tokens={max_new_tokens:,} of the model's "
-                f"context of {context:,}"
-            )
             raise ValueError(
-                f"prompt has {len(ids):,} tokens, {room} (max_model_len), and truncate='right' "
-                "would cut off the chat template's turn for the reply: shorten the messages, "
-                "or use truncate='left'"
+                f"prompt has {len(ids):,} tokens, more than the model's context of "
+                f"{context:,} (max_model_len), and truncate='right' would cut off the chat "
+                "template's turn for the reply: shorten the messages, or use truncate='left'"
             )
+        keep = context - max_new_tokens
         if keep < 1:
             raise ValueError(
                 f"prompt has {len(ids):,} tokens and max_new_tokens={max_new_tokens:,} fills "

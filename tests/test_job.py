@@ -196,30 +196,6 @@ def test_truncation_policy_keeps_long_prompts(model_dir, tmp_path: Path, mode: s
     assert row["num_generated_tokens"] == 8 or row["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("mode", ["left", "right"])
-def test_truncation_leaves_room_for_max_new_tokens_in_prompts_within_the_context(
-    model_dir, tmp_path: Path, mode: str
-) -> None:
-    """A prompt within the context that leaves less room than max_new_tokens is cut too, so
-    every row gets its max_new_tokens, as a prompt over the context does."""
-    from transformers import AutoTokenizer
-
-    model = model_dir("llama", max_position_embeddings=48)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = tokenizer(" ".join(f"w{i}" for i in range(100))).input_ids
-    texts = {n: tokenizer.decode(ids[1:n]) for n in (30, 40, 41, 44, 47, 48, 80)}
-    assert all(len(tokenizer(t).input_ids) == n for n, t in texts.items())
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in texts.values()])
-    sets = (f"prompt.truncate='{mode}'", "sampling.max_new_tokens=8", "sampling.ignore_eos=true")
-    run_job(spec_for(model, inp, tmp_path / "out", *sets, "output.include_token_ids=true"))
-    rows = read_rows(tmp_path / "out")
-    assert all(r["error"] is None and r["num_generated_tokens"] == 8 for r in rows)
-    assert [r["num_prompt_tokens"] for r in rows] == [30, 40, 40, 40, 40, 40, 40]
-    kept = rows[3]["prompt_token_ids"]
-    whole = tokenizer(texts[44]).input_ids
-    assert kept == (whole[-40:] if mode == "left" else whole[:40])
-
-
 def test_chat_prompts_are_truncated_on_the_left_only(model_dir, tmp_path: Path) -> None:
     """Cutting a chat prompt's right end would cut off the template's turn for the reply (the
     model would go on with the user's text): such a row is an error row; the left end may go."""

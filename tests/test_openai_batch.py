@@ -629,31 +629,6 @@ def test_a_token_limit_over_the_context_names_the_field_the_line_used(
         assert error.message.endswith(f"lower {field}")
 
 
-def test_truncation_leaves_room_for_each_lines_max_tokens(model: Path) -> None:
-    """With [prompt] truncate, a prompt that leaves less room than the line's max_tokens is cut
-    to leave it, as one over the context is (not refused as max_tokens too large); a chat
-    prompt is cut on the left only."""
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = tokenizer(" ".join(f"w{i}" for i in range(200))).input_ids
-    sizes = (40, 48, 49, 50, 63, 64, 80)
-    for mode in ("left", "right"):
-        builder = RequestBuilder(
-            PromptConfig(truncate=mode), tokenizer, 63, SamplingParams(), ("m",)
-        )
-        for n in sizes:
-            text = tokenizer.decode(ids[1:n])
-            line = request(f"c{n}", COMPLETIONS, prompt=text, max_tokens=16)
-            row = builder.build(0, parse_request(line, None, 1))
-            assert row.error is None, (mode, n, row.error)
-            assert len(row.prompt_ids) == min(n, 48)
-            assert row.overrides["max_new_tokens"] == 16
-    builder = RequestBuilder(PromptConfig(truncate="right"), tokenizer, 63, SamplingParams(), ())
-    chat = builder.build(0, parse_request(request("c", max_tokens=60), None, 1))
-    assert chat.prompt_ids is None
-    assert "leaving less than max_new_tokens=60 of the model's context of 64" in chat.error
-    assert "truncate='right' would cut off the chat template's turn" in chat.error
-
-
 def test_tool_call_arguments_are_parsed_as_the_job_path_parses_them(model: Path) -> None:
     """One owner for chat messages: a chat line's tool call arguments reach the template as the
     job's rows' do; arguments that are not JSON make the line an invalid_value error line."""
