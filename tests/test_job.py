@@ -196,6 +196,29 @@ def test_truncation_policy_keeps_long_prompts(model_dir, tmp_path: Path, mode: s
     assert row["num_generated_tokens"] == 8 or row["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_leaves_prompts_within_the_context_whole(model_dir, mode: str) -> None:
+    """Only a prompt over the context is cut (as vLLM reads it): one within it runs whole, its
+    generation capped by the context, also where max_new_tokens would leave it little room."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    text = " ".join(["word"] * 12)  # 25 tokens, 36 as a chat prompt: within 47
+    chat = [{"role": "user", "content": text}]
+    for config, row in (
+        (PromptConfig(truncate=mode), {"prompt": text}),
+        (PromptConfig(truncate=mode, messages_column="m"), {"m": chat}),
+    ):
+        whole = PromptBuilder(config, tokenizer, 47, SamplingParams()).build(0, row)
+        for new in (1, 20, 46, 47, 100):
+            builder = PromptBuilder(config, tokenizer, 47, SamplingParams(max_new_tokens=new))
+            built = builder.build(0, row)
+            assert built.error is None and built.prompt_ids == whole.prompt_ids, (new, config)
+            assert 25 <= len(built.prompt_ids) <= 47
+
+
 def test_chat_prompts_are_truncated_on_the_left_only(model_dir, tmp_path: Path) -> None:
     """Cutting a chat prompt's right end would cut off the template's turn for the reply (the
     model would go on with the user's text): such a row is an error row; the left end may go."""
