@@ -29,6 +29,16 @@ def content_format(tokenizer: Any) -> ContentFormat:
     return template_format(template) if isinstance(template, str) else "string"
 
 
+def knows_developer(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template names the developer role (vLLM's check: the
+    quoted role in its text); one that does not gets developer messages as system ones."""
+    try:
+        template = tokenizer.get_chat_template()
+    except Exception:  # no chat template: rendering fails on its own, naming it
+        return False
+    return isinstance(template, str) and ("'developer'" in template or '"developer"' in template)
+
+
 @functools.lru_cache(maxsize=32)
 def template_format(template: str) -> ContentFormat:
     """The content format of one chat template's text (parsed once per template)."""

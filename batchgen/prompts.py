@@ -8,7 +8,7 @@ import string
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
-from batchgen.content_format import ContentFormat, content_format
+from batchgen.content_format import ContentFormat, content_format, knows_developer
 from batchgen.engine.prompt_text import check_one_bos, check_unicode
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 
@@ -189,6 +189,11 @@ class PromptBuilder:
         joined into text ("string")."""
         return content_format(self.tokenizer)
 
+    @functools.cached_property
+    def knows_developer(self) -> bool:
+        """Whether the chat template renders developer messages as such."""
+        return knows_developer(self.tokenizer)
+
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:
         return self.build_many([(index, values)])[0]
 
@@ -253,16 +258,17 @@ class PromptBuilder:
         cfg, tok = self.config, self.tokenizer
         if cfg.messages_column is not None:
             messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
+            given = len(messages)
             if cfg.system_prompt is not None and messages[0].get("role") not in SYSTEM_ROLES:
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
-            if self.content_format == "string":
-                messages = [_joined(message) for message in messages]
+            messages = [self._for_template(message) for message in messages]
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as exc:  # jinja errors on malformed messages
                 raise ValueError(
                     f"chat template failed on column {cfg.messages_column!r}: {exc}"
                 ) from exc
+            _check_parts_rendered(messages[len(messages) - given :], text)
             return self._checked(text), False
         if cfg.template is not None:
             fields = {name: _field(values, name) for name in template_fields(cfg.template)}
@@ -276,6 +282,19 @@ class PromptBuilder:
         if not text:
             raise ValueError("prompt is empty")
         return self._checked(text), True
+
+    def _for_template(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message as the chat template takes it, as vLLM passes it: a developer message as a
+        system one where the template does not name that role; text parts joined for a
+        template that renders content as text, text as one part for one that loops over it."""
+        if message.get("role") == "developer" and not self.knows_developer:
+            message = {**message, "role": "system"}
+        if self.content_format == "string":
+            return _joined(message)
+        content = message.get("content")
+        if isinstance(content, str):
+            return {**message, "content": [{"type": "text", "text": content}]}
+        return message
 
     def _checked(self, text: str) -> str:
         """The prompt text, if it can be encoded and could fit; cut (by characters, to a
@@ -421,6 +440,21 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
         return [{"type": "text", "text": p["text"]} for p in content]
     kind = "none" if content is None else type(content).__name__
     raise ValueError(f"content must be text or a list of text parts, not {kind}")
+
+
+def _check_parts_rendered(messages: list[dict[str, Any]], text: str) -> None:
+    """ValueError where the chat template left out a text part of a message of several (some
+    templates read only a message's first part): the message would reach the model in part."""
+    for i, message in enumerate(messages):
+        parts = message.get("content")
+        if not isinstance(parts, list) or len(parts) < 2:
+            continue
+        lost = [p["text"] for p in parts if p["text"].strip() and p["text"].strip() not in text]
+        if lost:
+            raise ValueError(
+                f"the chat template renders only part of message {i}'s {len(parts)} text parts "
+                f"(not {lost[0][:40]!r}): give its text as one string"
+            )
 
 
 def _joined(message: dict[str, Any]) -> dict[str, Any]:

@@ -343,6 +343,88 @@ def test_a_system_prompt_is_not_added_before_a_system_or_developer_message(
     assert "Be brief." in tokenizer.decode(added.prompt_ids)
 
 
+DEVELOPER_STYLE = (  # names the developer role, as templates for OpenAI's roles do
+    "{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}<|im_start|>"
+    "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_developer_message_reaches_a_template_that_lacks_the_role_as_system(model_dir) -> None:
+    """As vLLM passes it: a template that never names the developer role gets a developer
+    message as a system one (its own system slot, never dropped); one that names it gets it."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    messages = [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "Hi"},
+    ]
+    config = PromptConfig(messages_column="m", system_prompt="Be brief.")
+    as_system = PromptBuilder(config, tokenizer, 500, SamplingParams()).build(0, {"m": messages})
+    text = tokenizer.decode(as_system.prompt_ids)
+    assert "<|im_start|>system\nAnswer in French." in text and "developer" not in text
+    tokenizer.chat_template = DEVELOPER_STYLE
+    named = PromptBuilder(config, tokenizer, 500, SamplingParams()).build(0, {"m": messages})
+    assert "[dev]<|im_start|>developer\nAnswer in French." in tokenizer.decode(named.prompt_ids)
+
+
+PARTS_ONLY = (  # loops over content parts and nothing else, as some vision models' templates do
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% for part in m.content %}"
+    "{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+)
+FIRST_PART_ONLY = (  # reads a system message's first part only, as Gemma 3's template does
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'system' %}"
+    "{{ m.content[0].text }}{% else %}{% for part in m.content %}{{ part.text }}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_text_reaches_a_template_that_loops_over_content_as_one_part(model_dir) -> None:
+    """For a template that loops over content, a message's text (and system_prompt) is passed
+    as one text part, as vLLM passes it: a template that only loops would drop a string."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = PARTS_ONLY
+    config = PromptConfig(messages_column="m", system_prompt="Be brief.")
+    row = {"m": [{"role": "user", "content": "Tell me a joke"}]}
+    built = PromptBuilder(config, tokenizer, 500, SamplingParams()).build(0, row)
+    text = tokenizer.decode(built.prompt_ids)
+    assert "system\nBe brief.<|im_end|>" in text and "user\nTell me a joke<|im_end|>" in text
+
+
+def test_a_template_that_renders_part_of_a_messages_text_parts_is_an_error_row(
+    model_dir,
+) -> None:
+    """A template that reads only a message's first text part would drop the others without a
+    word: the row is an error row naming the message; one part, or a template that renders
+    every part, is fine."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = FIRST_PART_ONLY
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    parts = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]
+    user = {"role": "user", "content": "Hi"}
+    rows = [
+        [{"role": "system", "content": parts}, user],
+        [{"role": "system", "content": "One."}, user],
+    ]
+    rows += [[{"role": "user", "content": parts}]]
+    dropped, single, all_parts = builder.build_many([(i, {"m": m}) for i, m in enumerate(rows)])
+    assert dropped.prompt_ids is None
+    assert "renders only part of message 0's 2 text parts (not 'Part two.')" in dropped.error
+    assert single.error is None and all_parts.error is None
+    assert "Part one.Part two." in tokenizer.decode(all_parts.prompt_ids)
+
+
 def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_row(
     model_dir, tmp_path: Path
 ) -> None:
