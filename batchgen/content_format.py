@@ -22,21 +22,24 @@ MESSAGES = "messages"  # the variable a chat template gets its messages in
 def content_format(tokenizer: Any) -> ContentFormat:
     """The content format of the template the tokenizer's apply_chat_template uses ("string"
     where it has none, or where the template cannot be parsed)."""
-    try:
-        template = tokenizer.get_chat_template()
-    except Exception:  # no chat template: rendering fails on its own, naming it
-        return "string"
-    return template_format(template) if isinstance(template, str) else "string"
+    template = _template(tokenizer)
+    return "string" if template is None else template_format(template)
 
 
 def knows_developer(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template names the developer role (vLLM's check: the
     quoted role in its text); one that does not gets developer messages as system ones."""
+    template = _template(tokenizer)
+    return template is not None and ("'developer'" in template or '"developer"' in template)
+
+
+def _template(tokenizer: Any) -> str | None:
+    """The text of the chat template apply_chat_template uses; None where there is none."""
     try:
         template = tokenizer.get_chat_template()
     except Exception:  # no chat template: rendering fails on its own, naming it
-        return False
-    return isinstance(template, str) and ("'developer'" in template or '"developer"' in template)
+        return None
+    return template if isinstance(template, str) else None
 
 
 @functools.lru_cache(maxsize=32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -33,13 +34,29 @@ def _byte_level_table() -> dict[str, int]:
 BYTE_LEVEL = _byte_level_table()
 
 
+_KEPT: weakref.WeakKeyDictionary[Any, TokenBytes] = weakref.WeakKeyDictionary()
+
+
+def token_bytes_of(tokenizer: Any) -> TokenBytes:
+    """The tokenizer's TokenBytes, kept per tokenizer where it can be (its caches fill once)."""
+    try:
+        found = _KEPT.get(tokenizer)
+    except TypeError:  # neither hashable nor weakly referable: not kept
+        return TokenBytes(tokenizer)
+    if found is None:
+        found = _KEPT[tokenizer] = TokenBytes(tokenizer)
+    return found
+
+
 class TokenBytes:
     """token id -> its bytes, for one tokenizer (cached per id)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.special = frozenset(tokenizer.all_special_ids)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        flagged = (i for i, token in added.items() if getattr(token, "special", False))
+        # the tokens a decode that skips special tokens leaves out
+        self.special = frozenset((*tokenizer.all_special_ids, *flagged))
         self.added = {i: t.content for i, t in added.items() if i not in self.special}
         steps = _decoder_steps(tokenizer)
         kinds = {step.get("type") for step in steps}

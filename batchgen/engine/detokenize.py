@@ -11,15 +11,12 @@ checks, `Engine.generate`) is decoded here.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from batchgen.token_bytes import TokenBytes
+from batchgen.token_bytes import token_bytes_of
 
 CONTEXT_TOKENS = 5  # tokens decoded before an output (vLLM's detokenizer starts with 5)
-
-_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, TokenBytes] = weakref.WeakKeyDictionary()
 
 TextIds = tuple[Sequence[int], Sequence[int]]  # (the tokens before, the output's tokens)
 
@@ -45,24 +42,13 @@ def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> st
 
 def _whole_utf8(tokenizer: Any, ids: Sequence[int]) -> bool:
     """Whether the bytes of `ids` (special tokens left out) are whole UTF-8 characters."""
-    token_bytes = _token_bytes(tokenizer)
+    token_bytes = token_bytes_of(tokenizer)
     data = b"".join(token_bytes(i) for i in ids if i not in token_bytes.special)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
         return False
     return True
-
-
-def _token_bytes(tokenizer: Any) -> TokenBytes:
-    """The tokenizer's TokenBytes (kept per tokenizer where it can be)."""
-    try:
-        found = _TOKEN_BYTES.get(tokenizer)
-    except TypeError:  # neither hashable nor weakly referable: not kept
-        return TokenBytes(tokenizer)
-    if found is None:
-        found = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
-    return found
 
 
 def output_texts(tokenizer: Any, items: Sequence[TextIds]) -> list[str]:

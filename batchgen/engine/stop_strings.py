@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.request import Request
+from batchgen.token_bytes import token_bytes_of
 
 BYTES_PER_CHAR = 4  # a byte-level token may hold a single byte of a UTF-8 character
-
-# tokenizer -> the ids of its special tokens, which a decode skipping them leaves out
-_SILENT: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 class Verdict(NamedTuple):
@@ -81,7 +78,7 @@ def match_stop_strings(
 def _tail_start(tokens: list[int], needed: int, tokenizer: Any) -> int:
     """Where the last `needed` tokens that add text begin (0 if there are fewer): special
     tokens add none (they are skipped), so any among them widen the tail by as many."""
-    silent = _silent_ids(tokenizer)
+    silent = token_bytes_of(tokenizer).special
     end = len(tokens)
     start = max(0, end - needed)
     while start > 0:
@@ -90,24 +87,6 @@ def _tail_start(tokens: list[int], needed: int, tokenizer: Any) -> int:
             break
         end, start = start, max(0, start - sum(map(silent.__contains__, window)))
     return start
-
-
-def _silent_ids(tokenizer: Any) -> frozenset[int]:
-    """The tokens a decode that skips special tokens leaves out (kept per tokenizer)."""
-    try:
-        return _SILENT[tokenizer]
-    except KeyError:
-        pass
-    except TypeError:  # neither hashable nor weakly referable: not kept
-        return _special_ids(tokenizer)
-    silent = _SILENT[tokenizer] = _special_ids(tokenizer)
-    return silent
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    flagged = (i for i, token in added.items() if getattr(token, "special", False))
-    return frozenset((*getattr(tokenizer, "all_special_ids", ()), *flagged))
 
 
 def _hidden_end(request: Request, token: int) -> bool:
