@@ -205,3 +205,25 @@ def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_result(engine: 
         "tokenizer adds another: remove it from the text, or pass token ids"
     )
     assert outs["one"].prompt_token_ids.count(engine.tokenizer.bos_token_id) == 1
+
+
+def test_token_ids_that_are_not_integers_are_an_error_result(engine: Engine) -> None:
+    """A bool among token ids (True is an int in Python, 1 to an int64 array) is an error
+    result naming it, as a float is, never token 1; an int subclass such as numpy's ints
+    runs as its value."""
+    np = pytest.importorskip("numpy")
+    items = [
+        Prompt([5, True, 7], request_id="bool"),
+        Prompt([5, False], request_id="false"),
+        Prompt([5, 6.0], request_id="float"),
+        Prompt([5, 2**70], request_id="huge"),
+        Prompt([5, np.int64(1), 7], request_id="numpy"),
+        Prompt([5, 1, 7], request_id="plain"),
+    ]
+    outs = {o.request_id: o for o in engine.generate(items, SamplingParams(max_new_tokens=2))}
+    assert outs["bool"].error == "request bool: prompt token ids must be integers, not bool (True)"
+    assert outs["false"].error == "request false: prompt token ids must be integers, not bool (False)"
+    assert outs["float"].error == "request float: prompt token ids must be integers, not float (6.0)"
+    assert outs["huge"].error == "request huge: prompt token ids must fit in 64 bits"
+    assert outs["numpy"].prompt_token_ids == outs["plain"].prompt_token_ids == [5, 1, 7]
+    assert outs["numpy"].output_token_ids == outs["plain"].output_token_ids

@@ -731,9 +731,7 @@ class Engine:
             return list(prompt)  # found inside this vocabulary already (remote/protocol.py)
         ids = _int64s(prompt)  # checked in C: a long prompt costs microseconds, not a millisecond
         if ids is None:
-            raise ValueError(
-                f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
-            )
+            raise ValueError(_not_ids(prompt))
         if not ids:
             raise ValueError("prompt is empty")
         checked = ids.tolist()  # min/max over a list's ints: about twice as fast as an array's
@@ -786,13 +784,27 @@ class Engine:
 
 
 def _int64s(prompt: object) -> array | None:
-    """A list or tuple of integers as an int64 array; None for anything else."""
+    """A list or tuple of integers as an int64 array; None for anything else, a bool among
+    them too (array() takes True as 1: a user's mistake, never a token id)."""
     if not isinstance(prompt, (list, tuple)):
         return None
     try:
-        return array("q", prompt)
+        ids = array("q", prompt)
     except (TypeError, OverflowError):
         return None
+    if (0 in ids or 1 in ids) and any(type(i) is bool for i in prompt):  # scanned in C first
+        return None
+    return ids
+
+
+def _not_ids(prompt: object) -> str:
+    """Why a prompt that _int64s refused is not a list of token ids."""
+    if not isinstance(prompt, (list, tuple)):
+        return f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
+    for value in prompt:
+        if type(value) is bool or not isinstance(value, int) and not hasattr(value, "__index__"):
+            return f"prompt token ids must be integers, not {type(value).__name__} ({value!r})"
+    return "prompt token ids must fit in 64 bits"
 
 
 class _PhaseClock:
