@@ -221,9 +221,10 @@ def test_token_ids_that_are_not_integers_are_an_error_result(engine: Engine) -> 
         Prompt([5, 1, 7], request_id="plain"),
     ]
     outs = {o.request_id: o for o in engine.generate(items, SamplingParams(max_new_tokens=2))}
-    assert outs["bool"].error == "request bool: prompt token ids must be integers, not bool (True)"
-    assert outs["false"].error == "request false: prompt token ids must be integers, not bool (False)"
-    assert outs["float"].error == "request float: prompt token ids must be integers, not float (6.0)"
-    assert outs["huge"].error == "request huge: prompt token ids must fit in 64 bits"
+    errors = {k: o.error for k, o in outs.items()}
+    assert errors["bool"] == "request bool: prompt token ids must be integers, not bool (True)"
+    assert errors["false"] == "request false: prompt token ids must be integers, not bool (False)"
+    assert errors["float"] == "request float: prompt token ids must be integers, not float (6.0)"
+    assert errors["huge"] == "request huge: prompt token ids must fit in 64 bits"
     assert outs["numpy"].prompt_token_ids == outs["plain"].prompt_token_ids == [5, 1, 7]
     assert outs["numpy"].output_token_ids == outs["plain"].output_token_ids

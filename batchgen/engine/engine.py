@@ -802,7 +802,7 @@ def _not_ids(prompt: object) -> str:
     if not isinstance(prompt, (list, tuple)):
         return f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
     for value in prompt:
-        if type(value) is bool or not isinstance(value, int) and not hasattr(value, "__index__"):
+        if type(value) is bool or not hasattr(value, "__index__"):
             return f"prompt token ids must be integers, not {type(value).__name__} ({value!r})"
     return "prompt token ids must fit in 64 bits"
 
