@@ -9,6 +9,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchgen.engine import NOT_READY
 from batchgen.io import RawRow
 from batchgen.pipeline import Producer
 from batchgen.prompts import RowPrompt
@@ -28,7 +29,8 @@ def run_producer(batches, done: set[int], share) -> list[RowPrompt]:
     producer.start()
     out = []
     while (row := producer.next_row(5.0)) is not None:
-        out.append(row)
+        if row is not NOT_READY:  # none ready within the wait (a busy machine): wait again
+            out.append(row)
     producer.join()
     assert producer.error is None and producer.finished
     return out
@@ -43,7 +45,7 @@ def prepared(
     return run_producer(batches, done, share.rows(num_rows, done))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     num_rows=st.integers(0, 60),
     done=st.sets(st.integers(0, 70), max_size=40),  # some past the input: ignored
@@ -71,7 +73,7 @@ def test_each_row_still_to_do_is_in_one_ranks_block(num_rows, done, world):
                 assert share.overlaps(start, stop) == expected, (start, stop)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     ids=st.lists(st.integers(0, 12), max_size=30),
     done_bits=st.lists(st.booleans(), max_size=30),
