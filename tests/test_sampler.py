@@ -9,6 +9,7 @@ from batchgen import Engine, EngineConfig, Prompt, SamplingParams
 from batchgen.engine.sampler import (
     PenaltyState,
     Sampler,
+    apply_token_bitmask,
     gumbel_noise,
     hash_u32,
     row_keys,
@@ -165,6 +166,36 @@ def test_greedy_rows_take_the_argmax() -> None:
     s = s._replace(temperature=torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64))
     out, _ = sampler(logits, s, flags_for(s), None)
     assert out[[0, 1, 3]].tolist() == logits.argmax(-1)[[0, 1, 3]].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_are_taken_under_the_bitmask_only(dtype: torch.dtype) -> None:
+    """A structured row's logprobs: log_softmax of the raw logits over its allowed tokens,
+    a forbidden token never among the alternatives (id -1); an unstructured row of the same
+    batch (every bit set) gets what it gets with no mask; bans and temperature are left out."""
+    vocab, k = 70, 4
+    sampler = Sampler(vocab_size=vocab, device=torch.device("cpu"))
+    logits = torch.randn(3, vocab).to(dtype)
+    s = inputs(3, temperature=0.8, logprobs_k=k)._replace(bans=torch.tensor([[1, 5], [0, 7]]))
+    flags = flags_for(s)._replace(logprobs_k=k)
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[0, [3, 7, 40]] = True  # fewer than k: no forbidden token fills the list
+    allowed[1] = True
+    allowed[2, 64] = True
+    bits = torch.zeros(3, 96, dtype=torch.uint8)
+    bits[:, :vocab] = allowed
+    words = (bits.view(3, 3, 32).long() << torch.arange(32)).sum(-1)
+    mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(apply_token_bitmask(logits, mask).isfinite(), allowed)
+    tokens, pack = sampler(logits, s, flags, None, mask)
+    _, plain = sampler(logits, s, flags, None)
+    assert torch.equal(pack[1], plain[1])
+    masked = logits.float().masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    assert allowed[0, tokens[0]] and tokens[2] == 64
+    assert pack[:, 0].tolist() == masked.gather(1, tokens[:, None]).view(-1).tolist()
+    assert pack[0, 1 : 1 + 3].tolist() == masked[0].topk(3).values.tolist()
+    assert pack[0, 1 + k : 1 + 2 * k].tolist() == [*masked[0].topk(3).indices.tolist(), -1]
+    assert pack[2, 1 + k :].tolist() == [64, -1, -1, -1]
 
 
 def test_penalties_follow_their_definitions() -> None:

@@ -24,12 +24,15 @@ from batchgen.engine.grammar import (
     Grammars,
     GrammarSpec,
     GrammarState,
+    grammar_spec,
 )
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import Prompt
 from batchgen.engine.sampler import apply_token_bitmask
 from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.job import run_job
+from batchgen.token_bytes import TokenBytes
+from tests.helpers import hf_model
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -146,6 +149,70 @@ def test_a_cut_output_ends_length_not_stop(engines) -> None:
     prompt = Prompt("Cut short", "cut", {"json_schema": EXAMPLE_SCHEMA, "max_new_tokens": 5})
     (out,) = _run(engines[True], [prompt]).values()
     assert out.finish_reason == "length" and len(out.output_token_ids) == 5
+
+
+def _allowed_steps(engine: Engine, params: SamplingParams, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] bool: the tokens the grammar allows before each output token, from a
+    fresh llguidance matcher fed the output one token at a time."""
+    llg_torch = pytest.importorskip("llguidance.torch")
+    matcher = engine.grammars.submit(grammar_spec(params)).result().lanes[0].deep_copy()
+    width = engine.grammars.host_mask.shape[1]
+    masks = torch.zeros(len(tokens), width, dtype=torch.int32)
+    for step, token in enumerate(tokens):
+        llg_torch.fill_next_token_bitmask(matcher, masks, step)
+        assert matcher.consume_token(token)
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((masks[:, :, None] >> shifts) & 1).view(len(tokens), -1)[:, : len(engine.tokenizer)]
+
+
+def _reference_logprobs(path: Path, out, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The model's own log_softmax at each output position, over the allowed tokens only."""
+    ids = torch.tensor([out.prompt_token_ids + out.output_token_ids])
+    with torch.inference_mode():
+        logits = hf_model(path)(ids).logits[0, len(out.prompt_token_ids) - 1 : -1].float()
+    if allowed is not None:
+        padded = torch.zeros_like(logits, dtype=torch.bool)  # tokens past the tokenizer: never
+        padded[:, : allowed.shape[1]] = allowed.bool()
+        logits = logits.masked_fill(~padded, float("-inf"))
+    return logits.log_softmax(-1)
+
+
+def test_structured_logprobs_are_under_the_grammar_mask(model_dir, engines) -> None:
+    """As vLLM's: a structured row's logprobs are the raw logits' log_softmax over the tokens
+    its grammar allows at that step (no temperature or filter), a forbidden token is never an
+    alternative, and an unstructured row of the same batch keeps the model's own logprobs."""
+    engine, path, k = engines[True], model_dir("llama"), 3
+    rows = {
+        "choice": {"choice": ("yes", "no"), "temperature": 1.0, "seed": 2},
+        "regex": {"regex": REGEX, "temperature": 0.7, "top_k": 5, "seed": 5},
+        "schema": {"json_schema": EXAMPLE_SCHEMA},
+        "plain": {"temperature": 1.0, "seed": 8, "max_new_tokens": 12},
+    }
+    prompts = [Prompt(f"Row {name} says", name, {**v, "logprobs": k}) for name, v in rows.items()]
+    out = _run(engine, prompts)
+    tb = TokenBytes(engine.tokenizer)
+    firsts = {t for t in range(len(engine.tokenizer)) if tb(t) and t not in tb.special}
+    firsts = {t for t in firsts if any(c.encode().startswith(tb(t)) for c in ("yes", "no"))}
+    for name, sampling in rows.items():
+        o = out[name, 0]
+        assert o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.output_token_ids)
+        params = SamplingParams(**{f: v for f, v in sampling.items() if f in ("choice", "regex")})
+        if name == "schema":
+            params = SamplingParams(json_schema=EXAMPLE_SCHEMA)
+        allowed = None if name == "plain" else _allowed_steps(engine, params, o.output_token_ids)
+        if name == "choice":
+            assert set(allowed[0].nonzero().view(-1).tolist()) == firsts
+        reference = _reference_logprobs(path, o, allowed)
+        for step, lp in enumerate(o.logprobs):
+            assert lp.logprob == pytest.approx(reference[step, lp.token_id].item(), abs=1e-4)
+            top = reference[step].topk(k)
+            kept = top.values.isfinite() if allowed is not None else slice(None)
+            assert lp.top_ids == top.indices[kept].tolist(), (name, step)
+            assert lp.top_logprobs == pytest.approx(top.values[kept].tolist(), abs=1e-4)
+            if allowed is not None:
+                assert all(allowed[step, t] for t in lp.top_ids), (name, step)
+    assert len(out["choice", 0].logprobs[0].top_ids) == len(firsts) < k  # no forbidden filler
+    assert all(len(lp.top_ids) == k for lp in out["plain", 0].logprobs)
 
 
 def test_bitmask_bit_order_matches_llguidance() -> None:

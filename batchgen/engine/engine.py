@@ -834,8 +834,9 @@ def _mix(seed: int, sample_index: int) -> int:
 
 
 def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """row: [1 + 2K] float32 from the sampler's pack (K >= k)."""
+    """row: [1 + 2K] float32 from the sampler's pack (K >= k); an alternative with id -1 (a
+    token the row's structured output forbids) is left out."""
     width = (row.shape[0] - 1) // 2
-    values = row[1 : 1 + k].tolist()
-    ids = [int(i) for i in row[1 + width : 1 + width + k].tolist()]
-    return TokenLogprobs(token, float(row[0]), ids, values)
+    pairs = zip(row[1 + width : 1 + width + k].tolist(), row[1 : 1 + k].tolist(), strict=True)
+    kept = [(int(i), v) for i, v in pairs if i >= 0]
+    return TokenLogprobs(token, float(row[0]), [i for i, _ in kept], [v for _, v in kept])

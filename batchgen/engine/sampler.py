@@ -3,7 +3,8 @@
 Order (vLLM's): penalties -> bans (min_new_tokens) -> temperature -> min_p -> top_k -> top_p,
 then an exact draw by the Gumbel-max trick. Randomness is a counter-based hash of (seed and
 sample index, position, token id), not a global generator, so a seeded request draws the same
-tokens whatever batch it shares and after a resume. Logprobs are those of the raw logits.
+tokens whatever batch it shares and after a resume. Logprobs are those of the raw logits under
+the structured-output token bitmask (as vLLM's): no penalty, ban, temperature or filter.
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ class Sampler:
         """logits: [S, V] -> (tokens [S] int64, logprob pack [S, 1 + 2k] float32 or None).
 
         mask: [S, ceil(V / 32)] int32 token bitmask of structured outputs (None = no row has
-        one), applied after the bans: a disallowed token's logit is -inf."""
-        raw = logits
+        one), applied after the bans: a disallowed token's logit is -inf, in the logprobs too
+        (a row without structure has every bit set, so its logprobs stay the raw ones), and
+        a disallowed token is never an alternative (its id in the pack is -1)."""
+        raw, allowed = logits, None
         if flags.any_penalty and penalties is not None:
             logits = penalties.apply(logits.float(), s)
         if s.bans.numel():
@@ -141,7 +144,9 @@ class Sampler:
                 (s.bans[:, 0], s.bans[:, 1]), logits.new_full((), float("-inf"))
             )
         if mask is not None:
-            logits = apply_token_bitmask(logits, mask)
+            allowed = token_bitmask_allowed(mask, logits.shape[-1])
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            raw = raw.masked_fill(~allowed, float("-inf")) if flags.logprobs_k >= 0 else raw
         tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if flags.any_random:
             scaled = _tempered(logits.float(), s.temperature)
@@ -153,7 +158,7 @@ class Sampler:
             tokens = torch.where(s.temperature > 0, (scaled + noise).argmax(dim=-1), tokens)
         if penalties is not None and flags.any_penalty:
             penalties.count_sampled(s, tokens)
-        return tokens, _logprob_pack(raw, tokens, flags.logprobs_k)
+        return tokens, _logprob_pack(raw, tokens, flags.logprobs_k, allowed)
 
 
 def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -166,18 +171,26 @@ def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits: [S, V]; mask: [S, W >= V / 32] int32, bit t of word w allows token 32 * w + t.
-    -> logits with disallowed tokens at -inf. Device ops only: read as bytes (little-endian:
-    bit k of byte b is token 8 * b + k), so the [S, 8 W] x 8 expansion is bytes, not words."""
-    rows, vocab = logits.shape
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    """logits: [S, V]; mask: [S, W >= V / 32] int32 (see token_bitmask_allowed)
+    -> logits with disallowed tokens at -inf."""
+    return logits.masked_fill(~token_bitmask_allowed(mask, logits.shape[-1]), float("-inf"))
+
+
+def token_bitmask_allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """mask: [S, W >= V / 32] int32, bit t of word w allows token 32 * w + t -> [S, V] bool.
+    Device ops only: read as bytes (little-endian: bit k of byte b is token 8 * b + k), so the
+    [S, 8 W] x 8 expansion is bytes, not words."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
     bits = (mask.view(torch.uint8)[:, :, None] >> shifts) & 1  # [S, 4 W, 8]
-    allowed = bits.view(rows, -1)[:, :vocab].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
 
 
-def _logprob_pack(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:
-    """[S, 1 + 2k] float32: chosen logprob, top-k logprobs, top-k ids (exact below 2**24)."""
+def _logprob_pack(
+    raw: torch.Tensor, tokens: torch.Tensor, k: int, allowed: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """[S, 1 + 2k] float32: chosen logprob, top-k logprobs, top-k ids (exact below 2**24).
+    allowed: [S, V] bool or None; a top-k token it disallows (-inf, after every allowed one)
+    has id -1: the host drops it."""
     if k < 0:
         return None
     logprobs = raw.float().log_softmax(dim=-1)
@@ -185,4 +198,7 @@ def _logprob_pack(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tens
     top = logprobs.topk(k, dim=-1) if k else None
     if top is None:
         return chosen
-    return torch.cat([chosen, top.values, top.indices.float()], dim=1)
+    ids = top.indices
+    if allowed is not None:
+        ids = ids.masked_fill(~allowed.gather(1, ids), -1)
+    return torch.cat([chosen, top.values, ids.float()], dim=1)
