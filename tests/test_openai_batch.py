@@ -487,6 +487,56 @@ def test_completion_top_logprobs_keep_every_entry(model: Path, tmp_path: Path) -
     assert top == {"l": -1.0, f"token_id:{same[1]}": -2.0}  # the likelier one keeps the text
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(model: Path, tmp_path: Path) -> None:
+    """Each position's top_logprobs dict holds the sampled token first, then the top k without
+    it (k + 1 entries at most, as OpenAI's API and vLLM give them; just the sampled token with
+    logprobs 0); text_offset is where each token's text starts in the choice's text."""
+    lines = [
+        request(f"k{k}", COMPLETIONS, max_tokens=8, logprobs=k, temperature=1.5, seed=3)
+        for k in (0, 2)
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    run(model, inp, tmp_path / "out", "sampling.ignore_eos=true")
+    bodies = [x.response.body for x in read_lines(tmp_path / "out" / "results.jsonl")]
+    absent = 0
+    for k, body in zip((0, 2), bodies, strict=True):
+        choice = body.choices[0]
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert next(iter(top.items())) == (token, value)  # the sampled token comes first
+            assert k <= len(top) <= k + 1
+            others = list(top.values())[1:]
+            assert others == sorted(others, reverse=True)
+            absent += len(top) == k + 1 and k > 0
+        assert lp.text_offset[0] == 0
+        for i, token in enumerate(lp.tokens[:-1]):
+            if "\\x" not in token:
+                assert choice.text[lp.text_offset[i] :].startswith(token)
+                assert lp.text_offset[i + 1] - lp.text_offset[i] == len(token)
+    assert absent  # some sampled token was not among the top 2
+
+
+def test_completion_text_offsets_count_characters(model: Path) -> None:
+    """A character split over two tokens: both start where it does; a special token adds
+    nothing (the text leaves it out)."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [*tokenizer("héllo wörld", add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    ids += tokenizer("!", add_special_tokens=False).input_ids
+    entries = [{"token_id": i, "logprob": -1.0, "top_logprobs": []} for i in ids]
+    row = {"text": "héllo wörld!", "finish_reason": "length", "logprobs": entries}
+    lp = _text_choice(row, TokenBytes(tokenizer))["logprobs"]
+    pieces = [TokenBytes(tokenizer)(i) for i in ids]
+    assert pieces[1:3] == [b"\xc3", b"\xa9"]  # the test's premise: é is two tokens
+    text = row["text"]
+    for i, offset in enumerate(lp["text_offset"]):
+        piece = pieces[i].decode("utf-8", "ignore")
+        if piece and ids[i] != tokenizer.eos_token_id:
+            assert text[offset:].startswith(piece), (i, offset)
+    assert lp["text_offset"][1:3] == [1, 1] and lp["text_offset"][3] == 2
+    assert lp["text_offset"][-2] == lp["text_offset"][-1] == len("héllo wörld")
+
+
 def _validate_codes(model: Path, inp: Path, *sets: str) -> collections.Counter[str]:
     """The error codes `batchgen validate` counts, from its report line."""
     args = ["validate", "--format", "openai-batch", "--input", str(inp), "--output", "o"]

@@ -12,6 +12,7 @@ Every request lands in exactly one file, in input order (as OpenAI's output and 
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import time
@@ -188,8 +189,8 @@ def _text_choice(row: Row, tokens: TokenBytes) -> Row:
         logprobs = {
             "tokens": [tokens.text(lp["token_id"]) for lp in entries],
             "token_logprobs": [lp["logprob"] for lp in entries],
-            "top_logprobs": [_top_logprobs(lp["top_logprobs"], tokens) for lp in entries],
-            "text_offset": None,  # offsets into prompt + completion text are not tracked
+            "top_logprobs": [_top_logprobs(lp, tokens) for lp in entries],
+            "text_offset": _text_offsets([lp["token_id"] for lp in entries], tokens),
         }
     return {
         "index": row.get("sample_index") or 0,
@@ -199,13 +200,17 @@ def _text_choice(row: Row, tokens: TokenBytes) -> Row:
     }
 
 
-def _top_logprobs(top: list[Row], tokens: TokenBytes) -> dict[str, float]:
-    """One position's top logprobs keyed by token text, as the completions format keys them.
-    Two tokens can show the same text (a byte-fallback `<0x41>` and the piece `A`): the less
-    likely one is then keyed `token_id:N`, as vLLM's --return-tokens-as-token-ids keys tokens,
-    so that no entry is lost."""
+def _top_logprobs(position: Row, tokens: TokenBytes) -> dict[str, float]:
+    """One position's top logprobs keyed by token text, as the completions format keys them:
+    the sampled token first, then the top k without it (up to k + 1 entries, as OpenAI's API
+    and vLLM give them). Two tokens can show the same text (a byte-fallback `<0x41>` and the
+    piece `A`): the later one is then keyed `token_id:N`, as vLLM's
+    --return-tokens-as-token-ids keys tokens, so that no entry is lost and the sampled token
+    keeps its text."""
+    sampled = position["token_id"]
+    top = [e for e in position["top_logprobs"] if e["token_id"] != sampled]
     out: dict[str, float] = {}
-    for entry in top:
+    for entry in ({"token_id": sampled, "logprob": position["logprob"]}, *top):
         key = tokens.text(entry["token_id"])
         if key in out:
             key = f"token_id:{entry['token_id']}"
@@ -213,3 +218,17 @@ def _top_logprobs(top: list[Row], tokens: TokenBytes) -> dict[str, float]:
             raise RuntimeError(f"two top logprobs entries for token {key!r}")
         out[key] = entry["logprob"]
     return out
+
+
+def _text_offsets(token_ids: list[int], tokens: TokenBytes) -> list[int]:
+    """Where each token's text starts in the choice's text (0 for the first token: the prompt
+    is not echoed): the characters its earlier tokens' bytes decode to, special tokens adding
+    none (the text leaves them out); a token that ends a character another began starts at
+    that character."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, length = [], 0
+    for token_id in token_ids:
+        offsets.append(length)
+        if token_id not in tokens.special:
+            length += len(decoder.decode(tokens(token_id)))
+    return offsets
