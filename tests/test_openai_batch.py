@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
@@ -17,7 +18,7 @@ from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.cli import main
 from batchgen.formats.openai_batch.builder import RequestBuilder
 from batchgen.formats.openai_batch.requests import parse_request
-from batchgen.formats.openai_batch.results import _text_choice
+from batchgen.formats.openai_batch.results import _chat_choice, _text_choice
 from batchgen.job import run_job
 from batchgen.prompts import PromptConfig
 from batchgen.token_bytes import TokenBytes
@@ -535,6 +536,61 @@ def test_completion_text_offsets_count_characters(model: Path) -> None:
             assert text[offset:].startswith(piece), (i, offset)
     assert lp["text_offset"][1:3] == [1, 1] and lp["text_offset"][3] == 2
     assert lp["text_offset"][-2] == lp["text_offset"][-1] == len("héllo wörld")
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("shards", ["jsonl", "parquet"])
+def test_minus_infinite_logprobs_are_written_as_openai_writes_them(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: str
+) -> None:
+    """A model whose logits leave only three tokens finite, five alternatives asked for: the
+    other two are -inf, written -9999.0 (as OpenAI's API and vLLM write them), never as
+    -Infinity or null, from either shard format."""
+    from batchgen.engine.sampler import Sampler
+
+    engine = Engine(model, EngineConfig(device="cpu"))
+    original, kept = Sampler.__call__, [10, 20, 30]
+
+    def call(self: Any, logits: Any, *args: Any, **kwargs: Any) -> Any:
+        masked = torch.full_like(logits, float("-inf"))
+        masked[:, kept] = logits[:, kept]
+        return original(self, masked, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "__call__", call)
+    lines = [
+        request("c", COMPLETIONS, max_tokens=2, logprobs=5),
+        request("h", max_tokens=2, logprobs=True, top_logprobs=5),
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    run(model, inp, tmp_path / "out", f"output.format='{shards}'", engine=engine)
+    text = (tmp_path / "out" / "results.jsonl").read_text()
+    completion, chat = (_strict_json(x)["response"]["body"] for x in text.splitlines())
+    read_lines(tmp_path / "out" / "results.jsonl")  # the openai package's types
+    for top in completion["choices"][0]["logprobs"]["top_logprobs"]:
+        assert sorted(top.values())[:2] == [-9999.0, -9999.0] and len(top) == 5
+    for position in chat["choices"][0]["logprobs"]["content"]:
+        values = [t["logprob"] for t in position["top_logprobs"]]
+        assert values[3:] == [-9999.0, -9999.0] and max(values) > -9999.0
+
+
+def test_unreadable_logprobs_are_the_lowest_number(model: Path) -> None:
+    """A logprob a shard holds as null (JSON Lines shards write -inf and NaN so) or NaN is
+    written -9999.0 in both formats, and a result line can hold no non-standard number."""
+    tokenizer = TokenBytes(AutoTokenizer.from_pretrained(model))
+    top = [{"token_id": 5, "logprob": None}, {"token_id": 6, "logprob": float("nan")}]
+    entry = {"token_id": 7, "logprob": float("-inf"), "top_logprobs": top}
+    row = {"text": "x", "finish_reason": "length", "logprobs": [entry]}
+    text = _text_choice(row, tokenizer)["logprobs"]
+    assert text["token_logprobs"] == [-9999.0]
+    assert list(text["top_logprobs"][0].values()) == [-9999.0] * 3
+    chat = _chat_choice(row, tokenizer)["logprobs"]["content"][0]
+    assert [chat["logprob"], *(t["logprob"] for t in chat["top_logprobs"])] == [-9999.0] * 3
 
 
 def _validate_codes(model: Path, inp: Path, *sets: str) -> collections.Counter[str]:

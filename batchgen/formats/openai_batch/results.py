@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,7 +84,8 @@ def _emit(
             line, target, slot = _success(rows, custom_id, model, created, tokens), ok_file, 0
         else:
             line, target, slot = _failure(failed, custom_id, duplicate), error_file, 1
-        target.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
+        text = json.dumps(line, ensure_ascii=False, allow_nan=False)  # only standard JSON
+        target.write((text + "\n").encode("utf-8"))
         counts[slot] += 1
     return counts[0], counts[1]
 
@@ -179,7 +181,7 @@ def _chat_choice(row: Row, tokens: TokenBytes) -> Row:
 def _chat_logprob(entry: Row, tokens: TokenBytes) -> Row:
     token_id = entry["token_id"]
     own = tokens(token_id)
-    return {"token": tokens.text(token_id), "logprob": entry["logprob"], "bytes": list(own)}
+    return {"token": tokens.text(token_id), "logprob": _logprob(entry), "bytes": list(own)}
 
 
 def _text_choice(row: Row, tokens: TokenBytes) -> Row:
@@ -188,7 +190,7 @@ def _text_choice(row: Row, tokens: TokenBytes) -> Row:
         entries = row["logprobs"]
         logprobs = {
             "tokens": [tokens.text(lp["token_id"]) for lp in entries],
-            "token_logprobs": [lp["logprob"] for lp in entries],
+            "token_logprobs": [_logprob(lp) for lp in entries],
             "top_logprobs": [_top_logprobs(lp, tokens) for lp in entries],
             "text_offset": _text_offsets([lp["token_id"] for lp in entries], tokens),
         }
@@ -216,8 +218,20 @@ def _top_logprobs(position: Row, tokens: TokenBytes) -> dict[str, float]:
             key = f"token_id:{entry['token_id']}"
         if key in out:
             raise RuntimeError(f"two top logprobs entries for token {key!r}")
-        out[key] = entry["logprob"]
+        out[key] = _logprob(entry)
     return out
+
+
+LOWEST_LOGPROB = -9999.0  # what OpenAI's API and vLLM write for -inf
+
+
+def _logprob(entry: Row) -> float:
+    """An entry's logprob as a JSON number: -inf (and null, which is how JSON Lines shards
+    keep -inf and NaN) as LOWEST_LOGPROB, as vLLM writes it; JSON has no infinity."""
+    value = entry["logprob"]
+    if value is None or math.isnan(value):
+        return LOWEST_LOGPROB
+    return max(float(value), LOWEST_LOGPROB)
 
 
 def _text_offsets(token_ids: list[int], tokens: TokenBytes) -> list[int]:
