@@ -135,7 +135,7 @@ class Sampler:
         one), applied after the bans: a disallowed token's logit is -inf, in the logprobs too
         (a row without structure has every bit set, so its logprobs stay the raw ones), and
         a disallowed token is never an alternative (its id in the pack is -1)."""
-        raw, allowed = logits, None
+        raw, forbidden = logits, None
         if flags.any_penalty and penalties is not None:
             logits = penalties.apply(logits.float(), s)
         if s.bans.numel():
@@ -144,9 +144,9 @@ class Sampler:
                 (s.bans[:, 0], s.bans[:, 1]), logits.new_full((), float("-inf"))
             )
         if mask is not None:
-            allowed = token_bitmask_allowed(mask, logits.shape[-1])
-            logits = logits.masked_fill(~allowed, float("-inf"))
-            raw = raw.masked_fill(~allowed, float("-inf")) if flags.logprobs_k >= 0 else raw
+            forbidden = ~token_bitmask_allowed(mask, logits.shape[-1])
+            logits = logits.masked_fill(forbidden, float("-inf"))
+            raw = raw.masked_fill(forbidden, float("-inf")) if flags.logprobs_k >= 0 else raw
         tokens = logits.argmax(dim=-1)  # in the logits' dtype: no float copy of [S, V]
         if flags.any_random:
             scaled = _tempered(logits.float(), s.temperature)
@@ -158,7 +158,7 @@ class Sampler:
             tokens = torch.where(s.temperature > 0, (scaled + noise).argmax(dim=-1), tokens)
         if penalties is not None and flags.any_penalty:
             penalties.count_sampled(s, tokens)
-        return tokens, _logprob_pack(raw, tokens, flags.logprobs_k, allowed)
+        return tokens, _logprob_pack(raw, tokens, flags.logprobs_k, forbidden)
 
 
 def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -186,10 +186,10 @@ def token_bitmask_allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _logprob_pack(
-    raw: torch.Tensor, tokens: torch.Tensor, k: int, allowed: torch.Tensor | None = None
+    raw: torch.Tensor, tokens: torch.Tensor, k: int, forbidden: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """[S, 1 + 2k] float32: chosen logprob, top-k logprobs, top-k ids (exact below 2**24).
-    allowed: [S, V] bool or None; a top-k token it disallows (-inf, after every allowed one)
+    forbidden: [S, V] bool or None; a forbidden top-k token (-inf, after every allowed one)
     has id -1: the host drops it."""
     if k < 0:
         return None
@@ -199,6 +199,6 @@ def _logprob_pack(
     if top is None:
         return chosen
     ids = top.indices
-    if allowed is not None:
-        ids = ids.masked_fill(~allowed.gather(1, ids), -1)
+    if forbidden is not None:
+        ids = ids.masked_fill(forbidden.gather(1, ids), -1)
     return torch.cat([chosen, top.values, ids.float()], dim=1)
