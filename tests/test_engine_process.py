@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -46,8 +47,10 @@ def served(model: Path):
 
 
 def _prompts() -> list:
-    """Token ids, text, overrides (seeded sampling, n, logprobs, a stop string), and prompts
-    the engine rejects (empty, outside the vocabulary, not token ids)."""
+    """Token ids (a list, a tuple, numpy's integers), text, overrides (seeded sampling, n,
+    logprobs, a stop string), and prompts the engine rejects (empty, outside the vocabulary,
+    not token ids: floats, bools, bytes whose length is or is not a multiple of 8, an
+    array)."""
     return [
         [5, 6, 7, 8],
         "The weather today is",
@@ -59,6 +62,13 @@ def _prompts() -> list:
         [10**12],
         [-3, 4],
         [1.5, 2.5],
+        Prompt([True, 5, 6], "bools"),
+        Prompt([5, False], "bools at the end"),
+        Prompt(b"\x05\x00\x00\x00\x00\x00\x00\x00", "8 bytes"),
+        Prompt(b"hello", "5 bytes"),
+        Prompt((5, 6, 7), "tuple"),
+        Prompt([np.int64(5), np.int32(6)], "numpy ints"),
+        Prompt(np.array([5, 6, 7]), "numpy array"),
     ]
 
 
@@ -74,6 +84,7 @@ def test_results_match_the_engine_in_this_process(model: Path, served: EnginePro
     assert got.keys() == expected.keys()
     for key, out in expected.items():
         assert got[key] == out, key
+        assert all(type(t) is int for t in got[key].prompt_token_ids), key
     assert {o.finish_reason for o in got.values()} >= {"length", "error"}
     assert not served.has_unfinished()
     # a second call on the same process: its default ids count from 0 again
@@ -324,7 +335,9 @@ def test_prompt_ids_the_jobs_process_checked_skip_the_engine_threads_check(model
     for prompt, vocab in (([5, 100], 100), ([-1, 5], 100), ([], 100), ([5, 6], None)):
         row = pack_prompt(prompt, "c", vocab)[0]
         assert row[-1] is None and type(unpack_prompt(row)[0].prompt) is list, prompt
-    assert pack_prompt(["x"], "d", 100)[0][1] == ["x"]  # not token ids: sent as they are
+    for prompt in (["x"], [True, 5], b"\x05" * 8, b"hello"):  # not token ids: sent as they are
+        row = pack_prompt(prompt, "d", 100)[0]
+        assert row[1] is prompt and unpack_prompt(row) == (Prompt(prompt, "d"), False)
     params = SamplingParams(max_new_tokens=3)
     with Engine(str(model), CPU) as engine:
         vocab = engine.shape.vocab_size

@@ -9,7 +9,6 @@ import hashlib
 import os
 import sys
 import time
-from array import array
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -62,6 +61,8 @@ from batchgen.engine.request import (
     Status,
     TokenLogprobs,
     VocabChecked,
+    int64_ids,
+    not_ids_reason,
     outside_vocab,
 )
 from batchgen.engine.runner import ModelRunner, plan_num_blocks, spare_bytes
@@ -729,9 +730,9 @@ class Engine:
         vocab = self.shape.vocab_size
         if type(prompt) is VocabChecked and prompt.vocab == vocab and prompt:
             return list(prompt)  # found inside this vocabulary already (remote/protocol.py)
-        ids = _int64s(prompt)  # checked in C: a long prompt costs microseconds, not a millisecond
+        ids = int64_ids(prompt)  # checked in C: a long prompt costs microseconds, not a millisecond
         if ids is None:
-            raise ValueError(_not_ids(prompt))
+            raise ValueError(not_ids_reason(prompt))
         if not ids:
             raise ValueError("prompt is empty")
         checked = ids.tolist()  # min/max over a list's ints: about twice as fast as an array's
@@ -781,30 +782,6 @@ class Engine:
             error = f"request {out.request_id}: {problem}"
             return out._replace(text=None, finish_reason="error", error=error, check=None)
         return out._replace(text=text if decode else out.text, check=None)
-
-
-def _int64s(prompt: object) -> array | None:
-    """A list or tuple of integers as an int64 array; None for anything else, a bool among
-    them too (array() takes True as 1: a user's mistake, never a token id)."""
-    if not isinstance(prompt, (list, tuple)):
-        return None
-    try:
-        ids = array("q", prompt)
-    except (TypeError, OverflowError):
-        return None
-    if (0 in ids or 1 in ids) and any(type(i) is bool for i in prompt):  # scanned in C first
-        return None
-    return ids
-
-
-def _not_ids(prompt: object) -> str:
-    """Why a prompt that _int64s refused is not a list of token ids."""
-    if not isinstance(prompt, (list, tuple)):
-        return f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
-    for value in prompt:
-        if type(value) is bool or not hasattr(value, "__index__"):
-            return f"prompt token ids must be integers, not {type(value).__name__} ({value!r})"
-    return "prompt token ids must fit in 64 bits"
 
 
 class _PhaseClock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -143,6 +144,30 @@ def outside_vocab(ids: Sequence[int], vocab: int) -> int | None:
     if min(ids) >= 0 and max(ids) < vocab:
         return None
     return next(t for t in ids if not 0 <= t < vocab)
+
+
+def int64_ids(prompt: object) -> array | None:
+    """A list or tuple of integers as an int64 array; None for anything else, a bool among
+    them too (array() takes True as 1: a user's mistake, never a token id)."""
+    if not isinstance(prompt, (list, tuple)):
+        return None
+    try:
+        ids = array("q", prompt)
+    except (TypeError, OverflowError):
+        return None
+    if (0 in ids or 1 in ids) and any(type(i) is bool for i in prompt):  # scanned in C first
+        return None
+    return ids
+
+
+def not_ids_reason(prompt: object) -> str:
+    """Why a prompt that int64_ids refused is not a list of token ids."""
+    if not isinstance(prompt, (list, tuple)):
+        return f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
+    for value in prompt:
+        if type(value) is bool or not hasattr(value, "__index__"):
+            return f"prompt token ids must be integers, not {type(value).__name__} ({value!r})"
+    return "prompt token ids must fit in 64 bits"
 
 
 class RequestOutput(NamedTuple):

@@ -6,10 +6,11 @@ To the engine (the server's stdin):
 - per generate call, numbered n from 1: ("generate", n, params, decode, check_outputs,
   profile) (profile: None, or (path, run) to record the call's steps there), then
   ("prompts", n, rows) as prompts become ready, and ("end", n) once there are no more or
-  ("stop", n) to stop after the step in flight. A row is (request id, the prompt
-  ids as int64 bytes or the prompt itself, sampling, seed key, vocab): vocab is the
-  engine's vocabulary size when the job's process found every id inside it (the engine's
-  thread then skips that check), else None.
+  ("stop", n) to stop after the step in flight. A row is (request id, the prompt, packed,
+  sampling, seed key, vocab): packed is whether the prompt is token ids as int64 bytes (a
+  list or tuple the engine takes as ids); anything else travels as it is, for the engine to
+  take or refuse as it does in-process. vocab is the engine's vocabulary size when the job's
+  process found every id inside it (the engine's thread then skips that check), else None.
 - between calls: ("sampling", params) and ("clear_cache",), answered ("ok",) or an error;
   ("close",).
 
@@ -25,7 +26,6 @@ From the engine (a copy of the server's stdout; what it prints goes to stderr):
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import struct
 from array import array
@@ -36,9 +36,9 @@ if TYPE_CHECKING:  # the job's side imports this before torch (request.py import
 
 PICKLE = pickle.HIGHEST_PROTOCOL
 FRAME = struct.Struct("<Q")  # the byte length of the pickle that follows
-# (request id, ids as bytes or the prompt, sampling, seed key, the vocabulary size the ids
-# were found inside or None)
-Row = tuple[str, Any, Any, Any, int | None]
+# (request id, the prompt: its ids as int64 bytes when packed, else as given; packed;
+# sampling; seed key; the vocabulary size the ids were found inside or None)
+Row = tuple[str, Any, bool, Any, Any, int | None]
 
 
 def send(pipe: IO[bytes], message: tuple) -> None:
@@ -61,29 +61,30 @@ def receive(pipe: IO[bytes]) -> tuple:
 
 
 def pack_prompt(prompt: Any, default_id: str, vocab: int | None) -> tuple[Row, list[int] | None]:
-    """-> (the row to send, the prompt's ids when they travel as bytes, else None). Ids all
-    inside [0, vocab) are marked so (the engine's thread then skips that check); the
-    engine finds anything else wrong with them itself."""
-    from batchgen.engine.request import Prompt, outside_vocab
+    """-> (the row to send, the prompt's ids when they travel as bytes, else None). Only what
+    the engine takes as token ids is packed (int64_ids: no bools); ids all inside [0, vocab)
+    are marked so (the engine's thread then skips that check). The engine finds anything
+    else wrong with a prompt itself."""
+    from batchgen.engine.request import Prompt, int64_ids, outside_vocab
 
     if not isinstance(prompt, Prompt):
         prompt = Prompt(prompt)
     request_id = default_id if prompt.request_id is None else str(prompt.request_id)
     body, ids, checked = prompt.prompt, None, None
-    if isinstance(body, list):
-        with contextlib.suppress(TypeError, OverflowError):  # not int64s: the engine says why
-            body, ids = array("q", body).tobytes(), body
-    if ids and vocab is not None and outside_vocab(ids, vocab) is None:
-        checked = vocab
-    return (request_id, body, prompt.sampling, prompt.seed_key, checked), ids
+    packed = int64_ids(body)
+    if packed is not None:
+        body, ids = packed.tobytes(), packed.tolist()
+        if ids and vocab is not None and outside_vocab(ids, vocab) is None:
+            checked = vocab
+    row = (request_id, body, packed is not None, prompt.sampling, prompt.seed_key, checked)
+    return row, ids
 
 
 def unpack_prompt(row: Row) -> tuple[Prompt, bool]:
     """A sent row -> (its Prompt, whether its ids travelled as bytes)."""
     from batchgen.engine.request import Prompt, VocabChecked
 
-    request_id, body, sampling, seed_key, checked = row
-    packed = isinstance(body, bytes)
+    request_id, body, packed, sampling, seed_key, checked = row
     if packed:
         ids = array("q")
         ids.frombytes(body)
