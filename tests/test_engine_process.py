@@ -11,7 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -19,6 +22,7 @@ import pytest
 
 from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
 from batchgen.engine import NOT_READY, Prompt
+from batchgen.engine.remote import client
 from batchgen.engine.remote.client import (
     PIPE_BYTES,
     EngineProcess,
@@ -191,6 +195,104 @@ def test_a_server_killed_mid_call_is_a_one_line_error(model: Path) -> None:
     with pytest.raises(BatchgenError, match="killed by signal 9"):  # and the next call too
         list(engine.generate([[1, 2]], params))
     engine.close()
+
+
+@pytest.fixture
+def only_here(monkeypatch) -> types.ModuleType:
+    """A module only this process has (as a script's __main__ is): the engine's process
+    cannot import its types, so it cannot unpickle them."""
+    module = types.ModuleType("batchgen_test_only_here")
+
+    class Overrides(dict):
+        pass
+
+    class Stops(list):
+        pass
+
+    for cls in (Overrides, Stops):
+        cls.__module__, cls.__qualname__ = module.__name__, cls.__name__
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def _within(seconds: float, call: Callable[[], Any]) -> Any:
+    """call() on a thread -> what it returned, or raises what it raised; fails if it has not
+    ended within `seconds` (a safety net for a hang, not a condition)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_overrides_and_seed_keys_of_the_callers_own_types_are_served(model, only_here) -> None:
+    """Sampling overrides of a dict subclass, and a seed key of any type, give the results
+    they give in this process: they travel as a plain dict and as text."""
+    params = SamplingParams(max_new_tokens=3)
+
+    def prompts() -> list[Prompt]:
+        return [
+            Prompt([5, 6], "a", only_here.Overrides(max_new_tokens=2, n=2, temperature=0.8)),
+            Prompt([7, 8], "b", {"temperature": 0.8}, only_here.Stops(["key"])),
+        ]
+
+    with Engine(str(model), CPU) as engine:
+        expected = _by_key(engine.generate(prompts(), params))
+    with EngineProcess(str(model), CPU, quiet=True) as served:
+        got = _within(60, lambda: _by_key(served.generate(prompts(), params)))
+    assert got == expected and len(got) == 3
+
+
+def test_a_message_the_engine_process_cannot_read_is_a_one_line_error(model, only_here) -> None:
+    """What still cannot reach the engine's process (a type only this one has, inside an
+    override) ends the call with one line saying so, never a wait for an answer."""
+    params = SamplingParams(max_new_tokens=3)
+    bad = Prompt([5, 6], "a", {"stop": only_here.Stops(["x"])})
+    with EngineProcess(str(model), CPU, quiet=True) as served:
+        with pytest.raises(RuntimeError) as failed:
+            _within(60, lambda: list(served.generate([[7, 8], bad], params)))
+        why = "cannot read a message from the job's process (ModuleNotFoundError: No module "
+        assert why in str(failed.value) and only_here.__name__ in str(failed.value)
+        assert "\n" not in str(failed.value)
+        with pytest.raises(BatchgenError, match="exited with code 1"):  # and the next call too
+            _within(60, lambda: list(served.generate([[7, 8]], params)))
+
+
+def test_an_answer_this_process_cannot_read_is_a_one_line_error(model, monkeypatch) -> None:
+    """An answer the job's side cannot unpickle: the call, and every later one, fails saying
+    so, and the server (whose answers are lost) is stopped."""
+    real = client.receive
+
+    def receive(pipe: Any) -> tuple:
+        message = real(pipe)
+        if message[0] == "outputs":
+            raise AttributeError("Can't get attribute 'Gone' on <module 'elsewhere'>")
+        return message
+
+    monkeypatch.setattr(client, "receive", receive)
+    params = SamplingParams(max_new_tokens=3)
+    engine = EngineProcess(str(model), CPU, quiet=True)
+    try:
+        for _ in range(2):
+            with pytest.raises(RuntimeError) as failed:
+                _within(60, lambda: list(engine.generate([[5, 6]], params)))
+            why = "cannot read an answer from the engine process (AttributeError: Can't get "
+            assert str(failed.value).startswith(why)
+            assert "\n" not in str(failed.value)
+        assert engine.server.process.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        engine.close()
 
 
 PARENT = """

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import fcntl
 import os
-import pickle
 import queue
 import subprocess
 import sys
@@ -83,6 +82,7 @@ class EngineServer:
         self._to = self.process.stdin
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.closed = False
+        self.unreadable: str | None = None  # why an answer could not be read (then it is ended)
         self.loading: tuple | None = None  # what it was asked to load (load_key's form)
         threading.Thread(
             target=self._read, args=(self.process.stdout,), name="batchgen-engine-answers",
@@ -102,6 +102,11 @@ class EngineServer:
             send(self._to, message)
         except (OSError, ValueError) as exc:  # the server has ended: say how
             raise self.failure(("eof",)) from exc
+
+    def tell(self, message: tuple) -> None:
+        """send, to a server that may have ended meanwhile (then its eof follows)."""
+        with contextlib.suppress(OSError, ValueError):
+            send(self._to, message)
 
     def next(self, wait: float) -> tuple | None:
         """The next message, or None when none came within `wait` seconds."""
@@ -127,7 +132,9 @@ class EngineServer:
             return RuntimeError(f"the engine process failed: {text} (its traceback is above)")
         if message[0] == "eof":
             self.inbox.put(message)  # every later call fails the same way
-            code = self.process.wait()
+            if self.unreadable is not None:
+                return RuntimeError(self.unreadable)
+            code = self._wait()
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             return BatchgenError(
                 f"the engine process (pid {self.process.pid}) {how} before it finished: the "
@@ -149,19 +156,34 @@ class EngineServer:
             send(self._to, ("close",))
         with contextlib.suppress(OSError, ValueError):
             self._to.close()
+        self._wait()
+
+    def _wait(self) -> int:
+        """-> the server's exit code, once it has exited; killed if it has not within
+        CLOSE_WAIT_S."""
         try:
-            self.process.wait(CLOSE_WAIT_S)
+            return self.process.wait(CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+            return self.process.wait()
 
     def _read(self, pipe: IO[bytes]) -> None:
-        """The pipe from the server -> the inbox; ("eof",) once it is closed."""
+        """The pipe from the server -> the inbox; ("eof",) once it is closed, or once an answer
+        cannot be read (what it said is lost, so the server is killed and every later call
+        fails saying why)."""
         try:
             while True:
                 self.inbox.put(receive(pipe))
-        except (EOFError, OSError, pickle.UnpicklingError):
-            self.inbox.put(("eof",))
+        except (EOFError, OSError):
+            pass
+        except Exception as exc:
+            why = str(exc).strip().splitlines()
+            self.unreadable = (
+                f"cannot read an answer from the engine process ({type(exc).__name__}: "
+                f"{why[0] if why else ''}), so it was stopped: start a new one"
+            )
+            self.process.kill()
+        self.inbox.put(("eof",))
 
 
 class RemoteRecorder:
@@ -417,8 +439,7 @@ class EngineProcess:
         server's call and wait for its end. A server that ended has none to send."""
         if not self.server.alive():
             return
-        with contextlib.suppress(OSError, ValueError):
-            self.server.send(("stop", call_id))
+        self.server.tell(("stop", call_id))
         while True:
             message = self.server.inbox.get()
             if message[0] == "eof":

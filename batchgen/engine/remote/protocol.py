@@ -21,14 +21,17 @@ From the engine (a copy of the server's stdout; what it prints goes to stderr):
 - ("done", n, cache stats, step report, profile) when the call ends, after its last outputs
   (profile: None, or ("ok", the records' file) or ("error", why they were not written)).
 - ("error", kind, message): kind "batchgen" or "value" (the user's to fix; the server goes
-  on), else "internal" (the server has printed its traceback and exits).
+  on), else "internal" (the server has printed its traceback and exits), a message it could
+  not read too.
 """
 
 from __future__ import annotations
 
 import pickle
 import struct
+import threading
 from array import array
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the job's side imports this before torch (request.py imports it)
@@ -39,13 +42,16 @@ FRAME = struct.Struct("<Q")  # the byte length of the pickle that follows
 # (request id, the prompt: its ids as int64 bytes when packed, else as given; packed;
 # sampling; seed key; the vocabulary size the ids were found inside or None)
 Row = tuple[str, Any, bool, Any, Any, int | None]
+_SENDING = threading.Lock()
 
 
 def send(pipe: IO[bytes], message: tuple) -> None:
+    """One message, whole: the frames of two threads sending at once do not interleave."""
     data = pickle.dumps(message, PICKLE)
-    pipe.write(FRAME.pack(len(data)))
-    pipe.write(data)
-    pipe.flush()
+    with _SENDING:
+        pipe.write(FRAME.pack(len(data)))
+        pipe.write(data)
+        pipe.flush()
 
 
 def receive(pipe: IO[bytes]) -> tuple:
@@ -64,7 +70,8 @@ def pack_prompt(prompt: Any, default_id: str, vocab: int | None) -> tuple[Row, l
     """-> (the row to send, the prompt's ids when they travel as bytes, else None). Only what
     the engine takes as token ids is packed (int64_ids: no bools); ids all inside [0, vocab)
     are marked so (the engine's thread then skips that check). The engine finds anything
-    else wrong with a prompt itself."""
+    else wrong with a prompt itself. Sampling overrides travel as a plain dict and a seed key
+    as the text it stands for, so no type only this process can import reaches the engine's."""
     from batchgen.engine.request import Prompt, int64_ids, outside_vocab
 
     if not isinstance(prompt, Prompt):
@@ -76,8 +83,12 @@ def pack_prompt(prompt: Any, default_id: str, vocab: int | None) -> tuple[Row, l
         body, ids = packed.tobytes(), packed.tolist()
         if ids and vocab is not None and outside_vocab(ids, vocab) is None:
             checked = vocab
-    row = (request_id, body, packed is not None, prompt.sampling, prompt.seed_key, checked)
-    return row, ids
+    sampling, seed_key = prompt.sampling, prompt.seed_key
+    if isinstance(sampling, Mapping):
+        sampling = dict(sampling)
+    if seed_key is not None:
+        seed_key = str(seed_key)  # what the engine keys a derived seed by
+    return (request_id, body, packed is not None, sampling, seed_key, checked), ids
 
 
 def unpack_prompt(row: Row) -> tuple[Prompt, bool]:

@@ -220,6 +220,9 @@ def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = 
         message = first.get() if first is not None else receive(requests)
     except EOFError:
         return  # the job's process ended first
+    except Exception as exc:
+        _unreadable(answers, exc)
+        return
     if message[0] != "load":
         return  # closed before it was asked for a model (an early server the job did not use)
     _, model, config, quiet, step_hook, cores = message
@@ -229,7 +232,7 @@ def serve(requests: IO[bytes], answers: IO[bytes], first: FirstMessage | None = 
     threading.Thread(  # from now on: the job's process closing stdin ends this one at once,
         # mid-load too (a job that stopped before it needed its engine does not wait for it)
         target=_read,
-        args=(requests, feed, control),
+        args=(requests, answers, feed, control),
         name="batchgen-engine-requests",
         daemon=True,
     ).start()
@@ -356,9 +359,10 @@ def _facts(engine: Any) -> dict[str, Any]:
     }
 
 
-def _read(requests: IO[bytes], feed: Feed, control: queue.SimpleQueue) -> None:
+def _read(requests: IO[bytes], answers: IO[bytes], feed: Feed, control: queue.SimpleQueue) -> None:
     """stdin -> the feed (prompts, end, stop) and the control queue (the rest). When stdin
-    ends, the job's process has: this one exits at once (nothing here is worth keeping)."""
+    ends, the job's process has: this one exits at once (nothing here is worth keeping). A
+    message it cannot read ends it too, saying why (_unreadable)."""
     try:
         while True:
             message = receive(requests)
@@ -373,8 +377,24 @@ def _read(requests: IO[bytes], feed: Feed, control: queue.SimpleQueue) -> None:
                 control.put(message)
     except (EOFError, OSError):
         pass
+    except Exception as exc:
+        _unreadable(answers, exc)
     sys.stderr.flush()
     os._exit(0)
+
+
+def _unreadable(answers: IO[bytes], exc: Exception) -> None:
+    """A message from the job's process that cannot be read here (an object of a type only
+    that process can import): what it asked for is lost, so the call it belonged to cannot
+    go on. Say why as an internal error, and exit."""
+    why = str(exc).strip().splitlines()
+    error = RuntimeError(
+        f"cannot read a message from the job's process ({type(exc).__name__}: "
+        f"{why[0] if why else ''}): pass prompts and sampling overrides as plain values "
+        "(str, int, float, list, dict)"
+    )
+    error.__cause__ = exc  # its traceback too
+    _report(answers, error)
 
 
 def _die_with_parent() -> None:
