@@ -5,6 +5,7 @@ and the rank still reads its rows, and every row's id."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from threading import Event
@@ -109,11 +110,13 @@ def test_a_rank_decodes_only_its_own_jsonl_lines(tmp_path):
 
 
 def test_without_an_id_column_a_rank_reads_only_its_jsonl_byte_range(tmp_path, monkeypatch):
-    """The scan's line marks let a rank seek to the mark before its first row and stop after
-    its last: every byte more than two scan chunks before its first line (the mark is the last
-    line start in a chunk before it), and every byte after
-    its last line, is overwritten after the scan (no newline left there, so a reader of them
-    would miscount the rows) and the rank still gets its rows at their indexes."""
+    """The scan's line marks let a rank seek to the mark before its first row and stop at the
+    mark after its last (the bytes between two marks are checked against the scan's digest of
+    them): every byte more than two scan chunks before its first line (the mark is the last
+    line start in a chunk before it), and every byte after the mark after its last line, is
+    overwritten after the scan (no newline left there, so a reader of them would miscount the
+    rows; the file's size and modification time kept) and the rank still gets its rows at
+    their indexes."""
     chunk = 64
     monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", chunk)
     ids = [f"row-{i}" for i in range(ROWS)]
@@ -126,10 +129,14 @@ def test_without_an_id_column_a_rank_reads_only_its_jsonl_byte_range(tmp_path, m
         path.write_bytes(b"".join(lines))
         source = open_input(InputConfig(str(path), batch_rows=3))  # scans the file
         data = bytearray(path.read_bytes())
-        low, high = max(0, starts[span.start] - 2 * chunk), starts[span.stop]
+        marks = [m[2] for m in readers.scan_jsonl(path, path.name).marks]
+        low = max(0, starts[span.start] - 2 * chunk)
+        high = min([m for m in marks if m >= starts[span.stop]], default=len(data))
         data[:low] = b"x" * low
         data[high:] = b"x" * (len(data) - high)
+        stat = path.stat()
         path.write_bytes(bytes(data))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         got = [r for b in source.rank_batches(["prompt"], None, rows) for r in b]
         assert [r.index for r in got] == list(range(ROWS)) and not any(r.error for r in got)
         for row in got:
@@ -156,20 +163,26 @@ def test_a_blank_first_line_shifts_no_rank_row(tmp_path, monkeypatch, head, id_c
 
 
 def test_a_rank_read_that_disagrees_with_the_scan_stops(tmp_path, monkeypatch):
-    """Lines that no longer match the scan's count are an internal error, never rows padded
-    or shifted into place."""
+    """A file that no longer matches its scan (even with its size and modification time as
+    they were) stops the job in one line, never with rows padded or shifted into place."""
     monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", 64)
     ids = [f"row-{i}" for i in range(ROWS)]
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"".join(jsonl_lines(ids)))
-    source = open_input(InputConfig(str(path)))
-    path.write_bytes(b"".join(jsonl_lines(ids[:-2])))  # the file shrank after the scan
+    stat = path.stat()
+    edited = [i.replace("row", "new") for i in ids]  # the same size
     rows = RowShare(WORLD - 1, WORLD).rows(ROWS, set())
-    with pytest.raises(RuntimeError, match="scan counted"):
-        list(source.rank_batches(["prompt"], None, rows))
-    path.write_bytes(b"".join(jsonl_lines([*ids, "extra"])))  # grew
-    with pytest.raises(RuntimeError, match="scan counted"):
-        list(source.rank_batches(["prompt"], "uid", rows))
+    for now in (edited, ids[:-2], [*ids, "extra"]):
+        for id_column in ("uid", None):
+            path.write_bytes(b"".join(jsonl_lines(ids)))
+            source = open_input(InputConfig(str(path), batch_rows=2))
+            path.write_bytes(b"".join(jsonl_lines(now)))
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            got = []
+            with pytest.raises(BatchgenError, match="changed while the job read it"):
+                for batch in source.rank_batches(["uid", "prompt"], id_column, rows):
+                    got.extend(batch)
+            assert all(r.values.get("uid") in (None, ids[r.index]) for r in got)
 
 
 def test_with_an_id_column_a_rank_keeps_only_the_id_of_other_jsonl_lines(tmp_path):

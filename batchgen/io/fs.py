@@ -122,12 +122,90 @@ class Stat(NamedTuple):
     st_size: int
 
 
-def _store_call(method: Callable[..., Any], *args: Any) -> Any:
+# what tells that a file changed without reading it: (what, value) pairs, "size" first
+Identity = tuple[tuple[str, Any], ...]
+# the keys of a store's info (its HEAD) that name an object's version, by library: http
+# (fsspec), s3fs, gcsfs, adlfs, huggingface_hub
+_VERSION_KEYS = {
+    "ETag": "ETag",
+    "etag": "ETag",
+    "VersionId": "version",
+    "version_id": "version",
+    "generation": "version",
+    "blob_id": "version",
+    "Last-Modified": "modified time",
+    "LastModified": "modified time",
+    "last_modified": "modified time",
+    "updated": "modified time",
+}
+
+
+class InputChanged(BatchgenError):
+    """An input file is not the one its scan read: rows read now would be another content's."""
+
+    def __init__(self, name: str, what: str) -> None:
+        super().__init__(
+            f"input {name!r} changed while the job read it ({what} from when it was scanned; "
+            "no row of the changed content was used): run the same command again once it no "
+            "longer changes"
+        )
+
+
+def identity(path: AnyPath) -> Identity:
+    """What says `path` changed, without reading it: a local file's size, modification time
+    (ns) and inode; an object's size and what its store tells of its version (ETag,
+    Last-Modified, version id; one HEAD request)."""
+    if not is_object(path):
+        stat = os.stat(path)
+        return (("size", stat.st_size), ("modified time", stat.st_mtime_ns), ("inode", stat.st_ino))
+    info = _store_call(path.info)
+    versions = [(label, info[key]) for key, label in _VERSION_KEYS.items() if info.get(key)]
+    return (("size", info.get("size")), *versions)
+
+
+def check_unchanged(path: AnyPath, name: str, expected: Identity) -> Identity:
+    """InputChanged unless `path` still is the file `expected` was taken of -> its identity
+    now (an object's holds its size: an open need not ask again)."""
+    try:
+        now = identity(path)
+    except FileNotFoundError as exc:
+        raise InputChanged(name, "it is gone, or its URL no longer answers") from exc
+    if now != expected:
+        seen = dict(now)
+        differ = dict.fromkeys(label for label, value in expected if seen.get(label) != value)
+        raise InputChanged(name, f"its {'/'.join(differ) or 'version'} differs")
+    return now
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a store library's failure (aiohttp's, which fsspec chains under its
+    own), or None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        status = getattr(seen, "status", None)
+        if isinstance(status, int):
+            return status
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _conditions(expected: Identity) -> dict[str, str]:
+    """The request headers that make a server refuse (412) an object other than `expected`:
+    If-Match on a strong ETag (a weak one never matches), else If-Unmodified-Since."""
+    known = dict(expected)
+    etag = known.get("ETag")
+    if isinstance(etag, str) and not etag.startswith("W/"):
+        return {"If-Match": etag}
+    modified = known.get("modified time")
+    return {"If-Unmodified-Since": modified} if isinstance(modified, str) else {}
+
+
+def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """method(*args), a store library's failure that is no OSError (aiohttp's payload and
     timeout errors, fsspec's ValueError on a file it cannot seek) raised as an OSError: what
     every reader of a file already reports as one line."""
     try:
-        return method(*args)
+        return method(*args, **kwargs)
     except OSError:
         raise
     except ValueError as exc:
@@ -155,8 +233,18 @@ class StoreFile:
     def __init__(self, f: Any, name: str) -> None:
         self._f, self.name = f, name
 
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """_store_call; a request the server refused because the object is no longer the
+        one opened (412 to If-Match / If-Unmodified-Since) is InputChanged."""
+        try:
+            return _store_call(method, *args)
+        except OSError as exc:
+            if http_status(exc) == 412:
+                raise InputChanged(self.name, "its ETag or modified time differs") from exc
+            raise
+
     def read(self, size: int = -1) -> bytes:
-        return _store_call(self._f.read, size)
+        return self._call(self._f.read, size)
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(memoryview(buffer)))
@@ -164,10 +252,10 @@ class StoreFile:
         return len(data)
 
     def readline(self) -> bytes:
-        return _store_call(self._f.readline)
+        return self._call(self._f.readline)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return _store_call(self._f.seek, offset, whence)
+        return self._call(self._f.seek, offset, whence)
 
     def tell(self) -> int:
         return self._f.tell()
@@ -267,10 +355,20 @@ class ObjectPath:
 
     # -- the store ---------------------------------------------------------------------------
 
-    def open(self, mode: str = "rb") -> IO[bytes]:
+    def open(self, mode: str = "rb", pinned: tuple[str, Identity] | None = None) -> IO[bytes]:
+        """pinned: (name in messages, identity when scanned): InputChanged when the object is
+        another now; over http(s), every range request is conditional on its ETag (or
+        Last-Modified), so a change while it is read is refused too."""
         if mode != "rb":
             raise ValueError(f"ObjectPath.open({mode!r}): objects are written whole (write_whole)")
-        return StoreFile(_store_call(self.fs.open, self.fs_path, "rb"), str(self))
+        if pinned is None:
+            return StoreFile(_store_call(self.fs.open, self.fs_path, "rb"), str(self))
+        name, expected = pinned
+        size = dict(check_unchanged(self, name, expected))["size"]
+        options: dict[str, Any] = {"size": size} if size is not None else {}
+        if self.scheme in URL_SCHEMES and (headers := _conditions(expected)):
+            options["headers"] = headers
+        return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), name)
 
     def read_bytes(self) -> bytes:
         return _store_call(self.fs.cat_file, self.fs_path)
@@ -362,18 +460,35 @@ class ObjectPath:
 
 
 @contextlib.contextmanager
-def arrow_file(path: AnyPath) -> Iterator[Any]:
+def arrow_file(path: AnyPath, pinned: tuple[str, Identity] | None = None) -> Iterator[Any]:
     """What pyarrow reads `path` from: a local file opened here (Arrow's own file: a path
     string would be read as a URI where its first part holds a ':', "S3:" or "rel-10:30"), an
-    object through its store's file (random access by range requests)."""
+    object through its store's file (random access by range requests). pinned: (name in
+    messages, identity when scanned): InputChanged when the file is another now."""
     if is_object(path):
-        with path.open("rb") as f:
+        with path.open("rb", pinned) as f:
             yield f
     else:
         import pyarrow as pa  # here: the spec loader imports this module, and needs no Arrow
 
+        if pinned is not None:
+            check_unchanged(path, *pinned)
         with pa.OSFile(os.fspath(path), "rb") as f:
             yield f
+
+
+@contextlib.contextmanager
+def open_pinned(path: AnyPath, pinned: tuple[str, Identity] | None) -> Iterator[IO[bytes]]:
+    """path.open("rb"), InputChanged first when pinned (name in messages, identity when
+    scanned) and the file is another now."""
+    if is_object(path):
+        with path.open("rb", pinned) as f:
+            yield f
+        return
+    if pinned is not None:
+        check_unchanged(path, *pinned)
+    with path.open("rb") as f:
+        yield f
 
 
 def abort_uploads(folder: AnyPath) -> int:

@@ -17,8 +17,9 @@ without an id column (None and its error for a JSONL line that cannot be parsed)
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,22 +27,26 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io import readers
-from batchgen.io.fs import arrow_file
+from batchgen.io.fs import Identity, InputChanged, arrow_file
 from batchgen.row_share import RankRows
 
 
 def parquet_rank_rows(
     files: list[tuple[Path, str]],
+    identities: list[Identity],
     batch_rows: int,
     columns: list[str] | None,
     id_column: str | None,
     rows: RankRows,
 ) -> Iterator[readers.Parsed]:
     start = 0  # index of the file's first row in the whole input
-    for path, name in files:
+    for (path, name), known in zip(files, identities, strict=True):
         try:
-            with _open_parquet(path) as pf:
-                yield from _parquet_file_rows(pf, start, batch_rows, columns, id_column, rows)
+            with _open_parquet(path, name, known) as pf:
+                check = partial(readers.still_scanned, path, name, known)
+                yield from _parquet_file_rows(
+                    pf, start, batch_rows, columns, id_column, rows, check
+                )
                 start += pf.metadata.num_rows
         except (pa.ArrowException, OSError) as exc:
             raise BatchgenError(
@@ -51,10 +56,10 @@ def parquet_rank_rows(
 
 
 @contextmanager
-def _open_parquet(path: Path) -> Iterator[pq.ParquetFile]:
+def _open_parquet(path: Path, name: str, known: Identity) -> Iterator[pq.ParquetFile]:
     # pre_buffer (on by default) would read a whole row group's column chunks at once
     with (
-        arrow_file(path) as f,
+        arrow_file(path, (name, known)) as f,
         pq.ParquetFile(f, buffer_size=readers.PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
     ):
         yield pf
@@ -67,8 +72,11 @@ def _parquet_file_rows(
     columns: list[str] | None,
     id_column: str | None,
     rows: RankRows,
+    check: Callable[[], None],
 ) -> Iterator[readers.Parsed]:
-    """One file's rows; start: the index of its first row in the whole input."""
+    """One file's rows; start: the index of its first row in the whole input; check: called
+    before each batch's rows are given (InputChanged when the file is no longer the one
+    scanned)."""
     names = pf.schema_arrow.names
     # read one column even when no wanted one is present, so rows still count
     whole = None if columns is None else [c for c in columns if c in names] or names[:1]
@@ -81,6 +89,7 @@ def _parquet_file_rows(
             )
             index = start
             for batch in batches:
+                check()
                 for values in batch.to_pylist():
                     own = rows.reads(index)
                     yield readers.project(values, columns) if own else _id(values, id_column), None
@@ -89,6 +98,7 @@ def _parquet_file_rows(
             for batch in pf.iter_batches(
                 batch_rows, row_groups=[group], columns=ids, use_threads=False
             ):
+                check()
                 for value in batch.column(0).to_pylist():
                     yield {id_column: value}, None
         else:  # nothing of it is needed but its row count
@@ -107,7 +117,7 @@ def jsonl_rank_rows(
     index = 0  # of the file's first row in the whole input
     for (path, name), scan in zip(files, scans, strict=True):
         if id_column is not None:  # every line is parsed for its id
-            lines = _jsonl_lines(path, name, (0, 0, 0), index, columns, id_column, rows)
+            lines = _jsonl_lines(path, name, scan, 0, index, columns, id_column, rows)
             count = 0
             for count, parsed in enumerate(lines, start=1):
                 _check_count(name, scan, count)
@@ -136,7 +146,7 @@ def _jsonl_span(
     mark = scan.marks[k]
     yield from (({}, None) for _ in range(mark[0]))
     index = start + mark[0]
-    lines = _jsonl_lines(path, name, mark, index, columns, None, rows)
+    lines = _jsonl_lines(path, name, scan, k, index, columns, None, rows)
     for parsed in lines:
         _check_count(name, scan, index - start + 1)
         yield parsed
@@ -151,25 +161,25 @@ def _jsonl_span(
 
 def _check_count(name: str, scan: readers.JsonlScan, rows: int, whole: bool = False) -> None:
     """The file's lines read so far (whole: all of them) agree with its scan's row count; a
-    disagreement would give rows another row's content, so it stops the job."""
+    disagreement is a file that changed since it was scanned (its rows would be another
+    content's), so it stops the job."""
     if rows > scan.rows or (whole and rows != scan.rows):
-        raise RuntimeError(
-            f"{name!r}: {'read' if whole else 'at least'} {rows} row lines, but the scan "
-            f"counted {scan.rows}"
-        )
+        raise InputChanged(name, f"its row count ({rows} now, {scan.rows} then) differs")
 
 
 def _jsonl_lines(
     path: Path,
     name: str,
-    mark: tuple[int, int, int],
+    scan: readers.JsonlScan,
+    k: int,
     index: int,
     columns: list[str] | None,
     id_column: str | None,
     rows: RankRows,
 ) -> Iterator[readers.Parsed]:
-    """Lines from a mark on; index: the whole input's index of the first one."""
-    for lineno, raw in readers.jsonl_lines(path, mark[2], mark[1]):
+    """Lines from the scan's k-th mark on; index: the whole input's index of the first one."""
+    mark = scan.marks[k]
+    for lineno, raw in readers.jsonl_lines(path, mark[2], mark[1], (name, scan)):
         own = rows.reads(index)
         if own or id_column is not None:
             values, error = readers.parse_json_line(raw, f"{name} line {lineno}")

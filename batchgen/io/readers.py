@@ -8,6 +8,7 @@ RawRow with `values=None` and an `error`, and the job goes on.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import glob
@@ -25,7 +26,17 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
-from batchgen.io.fs import arrow_file, common_folder, scheme_of
+from batchgen.io.fs import (
+    Identity,
+    InputChanged,
+    arrow_file,
+    check_unchanged,
+    common_folder,
+    identity,
+    is_object,
+    open_pinned,
+    scheme_of,
+)
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
     folder_skips,
@@ -188,26 +199,32 @@ def _dataset_types(ds: Any) -> dict[str, pa.DataType]:
 
 
 def fingerprint_files(
-    files: list[tuple[Path, str]], digests: list[str] | None = None
+    files: list[tuple[Path, str]],
+    digests: list[str] | None = None,
+    identities: list[Identity] | None = None,
 ) -> Fingerprint:
     """Name (relative to the files' common folder), size and SHA-256 of every file, in read
-    order. digests: already computed SHA-256 values, in the same order."""
+    order. digests: already computed SHA-256 values, in the same order; else each file is
+    hashed here, and must still be the file `identities` were taken of when opened."""
     paths = [path.resolve() for path, _ in files]
     root = common_folder(paths)
     entries = []
     for i, path in enumerate(paths):
-        digest = digests[i] if digests is not None else _sha256(path)
+        pinned = None if identities is None else (files[i][1], identities[i])
+        digest = digests[i] if digests is not None else _sha256(path, pinned)
         size = path.stat().st_size
         entries.append({"name": path.relative_to(root).as_posix(), "size": size, "sha256": digest})
     return {"kind": "files", "files": entries}
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, pinned: tuple[str, Identity] | None = None) -> str:
     h = hashlib.sha256()
     try:
-        with path.open("rb") as f:
+        with open_pinned(path, pinned) as f:
             while chunk := f.read(COUNT_CHUNK_BYTES):
                 h.update(chunk)
+        if pinned is not None:
+            check_unchanged(path, *pinned)  # the hash is of the file the rows are read from
     except OSError as exc:
         raise BatchgenError(f"cannot read {str(path)!r} ({_reason(exc)}): check the file") from exc
     return h.hexdigest()
@@ -289,9 +306,11 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
     columns: dict[str, None] = {}  # ordered union of the files' column names
     types: dict[str, set[pa.DataType]] = {}  # each column's types across the files
     num_rows = 0
+    identities = []  # every later open checks that the file is still this one
     for path, name in files:
         try:  # reads only the footer: catches non-parquet and truncated files up front
-            with arrow_file(path) as f:
+            identities.append(identity(path))
+            with arrow_file(path, (name, identities[-1])) as f:
                 meta = pq.read_metadata(f)
         except (pa.ArrowException, OSError) as exc:
             raise BatchgenError(
@@ -309,18 +328,18 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         for f in schema:
             types.setdefault(f.name, set()).add(f.type)
     description = describe_files(files, "parquet", config.path)
-    reader = partial(_parquet_rows, files, config.batch_rows)
+    reader = partial(_parquet_rows, files, identities, config.batch_rows)
     return InputSource(
         list(columns),
         num_rows,
         description,
         config.batch_rows,
         reader,
-        fingerprint=functools.cache(partial(fingerprint_files, files)),
+        fingerprint=functools.cache(partial(fingerprint_files, files, None, identities)),
         types=(declared := _declared_types(types)),
         promoted=frozenset(name for name in declared if len(types[name]) > 1),
         files=tuple(path for path, _ in files),
-        read_rank=partial(rank_reads.parquet_rank_rows, files, config.batch_rows),
+        read_rank=partial(rank_reads.parquet_rank_rows, files, identities, config.batch_rows),
     )
 
 
@@ -337,13 +356,16 @@ def _declared_types(types: dict[str, set[pa.DataType]]) -> dict[str, pa.DataType
 
 
 def _parquet_rows(
-    files: list[tuple[Path, str]], batch_rows: int, columns: list[str] | None
+    files: list[tuple[Path, str]],
+    identities: list[Identity],
+    batch_rows: int,
+    columns: list[str] | None,
 ) -> Iterator[Parsed]:
-    for path, name in files:
+    for (path, name), known in zip(files, identities, strict=True):
         try:
             # pre_buffer (on by default) would read a whole row group's column chunks at once
             with (
-                arrow_file(path) as f,
+                arrow_file(path, (name, known)) as f,
                 pq.ParquetFile(f, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
             ):
                 names = pf.schema_arrow.names
@@ -351,6 +373,7 @@ def _parquet_rows(
                 read = None if columns is None else [c for c in columns if c in names] or names[:1]
                 batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
                 for batch in batches:
+                    still_scanned(path, name, known)
                     for values in batch.to_pylist():
                         yield project(values, columns), None
         except (pa.ArrowException, OSError) as exc:
@@ -359,11 +382,19 @@ def _parquet_rows(
             ) from exc
 
 
+def still_scanned(path: Path, name: str, known: Identity) -> None:
+    """InputChanged when a local file read through an open file is no longer the one
+    scanned (rewritten in place while read; cheap: one stat). An object's reads are checked
+    by its store file (conditional requests over http(s))."""
+    if not is_object(path):
+        check_unchanged(path, name, known)
+
+
 def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
     scans = [scan_jsonl(path, name) for path, name in files]
     columns = _sample_columns(files[0][0])
     description = describe_files(files, "jsonl", config.path)
-    reader = partial(_jsonl_rows, files)
+    reader = partial(_jsonl_rows, files, scans)
     source = jsonl_source(files, scans, columns, description, config, reader)
     read_rank = partial(rank_reads.jsonl_rank_rows, files, scans)
     mentions = partial(jsonl_mentions, [path for path, _ in files])
@@ -440,11 +471,15 @@ def _sample_columns(path: Path) -> list[str]:
 class JsonlScan(NamedTuple):
     """What one pass over a JSONL file learns: its rows, its digest, and line marks: (rows
     before, lines before, byte offset) of a line start at each chunk, so a reader can seek
-    near a row and still number its lines."""
+    near a row and still number its lines; the SHA-256 of the bytes from each mark to the
+    next (the last: to the end), so a reader gives no row of bytes the scan did not read;
+    and the file's identity when scanned, checked at every open."""
 
     rows: int
     sha256: str
     marks: list[tuple[int, int, int]]
+    spans: list[str]
+    identity: Identity
 
 
 def scan_jsonl(path: Path, name: str) -> JsonlScan:
@@ -454,9 +489,11 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
     offset = lines = 0  # of the chunk in the file; lines ended before it
     marks = [(0, 0, 0)]
     digest = hashlib.sha256()
+    spans: list[str] = []  # SHA-256 of the bytes between marks
     partial_blank = True  # the unterminated line read so far is whitespace only
     try:
-        with path.open("rb") as f:
+        known = identity(path)
+        with open_pinned(path, (name, known)) as f:
             head = f.read(COUNT_CHUNK_BYTES)
             if head.startswith(_UTF16_BOMS):
                 raise BatchgenError(
@@ -472,11 +509,13 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
             bom = f.read(len(_UTF8_BOM)) == _UTF8_BOM  # in no line: jsonl_lines drops it
             offset = f.seek(len(_UTF8_BOM) if bom else 0)
             digest.update(_UTF8_BOM if bom else b"")
+            span = hashlib.sha256(_UTF8_BOM if bom else b"")
             while chunk := f.read(COUNT_CHUNK_BYTES):
                 digest.update(chunk)
                 base, offset = offset, offset + len(chunk)
                 first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
                 if first < 0:
+                    span.update(chunk)
                     partial_blank = partial_blank and not _is_row_line(chunk)
                     continue
                 rows += not (partial_blank and not _is_row_line(chunk[:first]))
@@ -487,9 +526,14 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
                 partial_blank = not _is_row_line(chunk[last + 1 :])
                 lines += chunk.count(b"\n")
                 marks.append((rows, lines, base + last + 1))  # what ended before that byte
+                span.update(chunk[: last + 1])
+                spans.append(span.hexdigest())
+                span = hashlib.sha256(chunk[last + 1 :])
+            spans.append(span.hexdigest())
+        check_unchanged(path, name, known)  # the counts and digests are of one content
     except OSError as exc:
         raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
-    return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks)
+    return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks, spans, known)
 
 
 def _is_json_document(head: bytes) -> bool:
@@ -509,14 +553,19 @@ def _is_json_document(head: bytes) -> bool:
     return not rest.strip()  # an array alone on its line is the whole file
 
 
-def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[int, bytes]]:
+def jsonl_lines(
+    path: Path, start: int = 0, lines: int = 0, scan: tuple[str, JsonlScan] | None = None
+) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line, from byte `start` on (a line
-    start, with `lines` lines before it). BatchgenError (one line) when reading fails midway
-    (an object store's transfer)."""
+    start, with `lines` lines before it). scan: (name in messages, the file's scan; start is
+    one of its marks): InputChanged rather than any line of a file that is not the one
+    scanned. BatchgenError (one line) when reading fails midway (an object store's
+    transfer)."""
     try:
-        with path.open("rb") as f:
+        with open_pinned(path, None if scan is None else (scan[0], scan[1].identity)) as f:
             f.seek(start)
-            for lineno, raw in enumerate(f, start=lines + 1):
+            raws = f if scan is None else _as_scanned(f, start, *scan)
+            for lineno, raw in enumerate(raws, start=lines + 1):
                 line = _line_text(raw, lineno == 1)
                 if _is_row_line(line):
                     yield lineno, line
@@ -524,6 +573,28 @@ def jsonl_lines(path: Path, start: int = 0, lines: int = 0) -> Iterator[tuple[in
         raise BatchgenError(
             f"reading {str(path)!r} failed ({_reason(exc)}): run again; committed rows are kept"
         ) from exc
+
+
+def _as_scanned(f: Any, start: int, name: str, scan: JsonlScan) -> Iterator[bytes]:
+    """f's lines from byte `start` (a mark's) on; the lines between two marks (the last: to
+    the end) are given once their bytes hash as the scan's did, so none of another content is
+    ever given (InputChanged instead)."""
+    ends = [mark[2] for mark in scan.marks[1:]]
+    k = bisect.bisect_left(ends, start + 1)  # the span that starts at `start`
+    held: list[bytes] = []
+    span, offset = hashlib.sha256(), start
+    for raw in f:
+        held.append(raw)
+        span.update(raw)
+        offset += len(raw)
+        if k < len(ends) and offset >= ends[k]:
+            if offset != ends[k] or span.hexdigest() != scan.spans[k]:
+                raise InputChanged(name, "its content differs")
+            yield from held
+            held, span, k = [], hashlib.sha256(), k + 1
+    if k < len(ends) or span.hexdigest() != scan.spans[k]:
+        raise InputChanged(name, "its content differs")
+    yield from held
 
 
 def _line_text(raw: bytes, first: bool) -> bytes:
@@ -537,9 +608,11 @@ def _is_row_line(text: bytes) -> bool:
     return bool(text.strip())
 
 
-def _jsonl_rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Iterator[Parsed]:
-    for path, name in files:
-        for lineno, raw in jsonl_lines(path):
+def _jsonl_rows(
+    files: list[tuple[Path, str]], scans: list[JsonlScan], columns: list[str] | None
+) -> Iterator[Parsed]:
+    for (path, name), scan in zip(files, scans, strict=True):
+        for lineno, raw in jsonl_lines(path, scan=(name, scan)):
             values, error = parse_json_line(raw, f"{name} line {lineno}")
             yield (None if values is None else project(values, columns)), error
 

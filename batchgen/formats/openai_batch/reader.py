@@ -14,6 +14,7 @@ from batchgen.errors import BatchgenError
 from batchgen.formats.openai_batch.requests import COLUMNS, PASSTHROUGH_TYPES, parse_request
 from batchgen.io import InputConfig, InputSource
 from batchgen.io.readers import (
+    JsonlScan,
     Parsed,
     describe_files,
     find_files,
@@ -31,14 +32,16 @@ def open_batch_file(config: InputConfig) -> InputSource:
         raise BatchgenError(f"input {config.path!r} does not exist: check the path")
     scans = [scan_jsonl(path, name) for path, name in files]
     description = describe_files(files, "OpenAI batch", config.path)
-    reader = partial(_rows, files)
+    reader = partial(_rows, files, scans)
     source = jsonl_source(files, scans, list(COLUMNS), description, config, reader)
     types = {name: pa.type_for_alias(alias) for name, alias in PASSTHROUGH_TYPES.items()}
     return dataclasses.replace(source, types=types, sampled=False)
 
 
-def _rows(files: list[tuple[Path, str]], columns: list[str] | None) -> Iterator[Parsed]:
-    for path, name in files:
-        for lineno, raw in jsonl_lines(path):
+def _rows(
+    files: list[tuple[Path, str]], scans: list[JsonlScan], columns: list[str] | None
+) -> Iterator[Parsed]:
+    for (path, name), scan in zip(files, scans, strict=True):
+        for lineno, raw in jsonl_lines(path, scan=(name, scan)):
             values, error = parse_json_line(raw, f"{name} line {lineno}")
             yield project(parse_request(values, error, lineno), columns), None

@@ -1,0 +1,212 @@
+"""An input file that changes after the job scanned it (local, or over http(s) from a local
+server on 127.0.0.1, a thread) is refused in one line before any row of the new content is
+given: its size, modification time, inode or ETag is checked at every open, every range
+request is conditional on the ETag, and JSON Lines bytes are checked against the scan's
+digests before their rows are given."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen import BatchgenError
+from batchgen.io import readers
+from batchgen.io.readers import InputConfig, open_input
+from batchgen.row_share import RowShare
+
+ROWS = 20
+
+
+def jsonl(tag: str, rows: int = ROWS) -> bytes:
+    lines = (json.dumps({"uid": f"u{i}", "prompt": f"{tag} {i}"}) + "\n" for i in range(rows))
+    return "".join(lines).encode()
+
+
+def parquet(tag: str, rows: int = ROWS) -> bytes:
+    sink = io.BytesIO()
+    table = pa.table(
+        {"uid": [f"u{i}" for i in range(rows)], "prompt": [f"{tag} {i}" for i in range(rows)]}
+    )
+    pq.write_table(table, sink, row_group_size=5)
+    return sink.getvalue()
+
+
+MAKE = {"jsonl": jsonl, "parquet": parquet}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """/etag/<name>: byte ranges, a strong ETag, If-Match honoured (412); /bare/<name>: byte
+    ranges, neither ETag nor Last-Modified. FILES: name -> content; AFTER_HEAD: name -> the
+    content served after the next HEAD request for it is answered."""
+
+    protocol_version = "HTTP/1.1"
+    FILES: ClassVar[dict[str, bytes]] = {}
+    AFTER_HEAD: ClassVar[dict[str, bytes]] = {}
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        name = self._answer(head=True)
+        if name in self.AFTER_HEAD:
+            self.FILES[name] = self.AFTER_HEAD.pop(name)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _answer(self, head: bool) -> str:
+        kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
+        data = self.FILES[name]
+        headers = {"Accept-Ranges": "bytes"}
+        if kind == "etag":
+            headers["ETag"] = f'"{hashlib.sha256(data).hexdigest()[:16]}"'
+            wanted = self.headers.get("If-Match")
+            if wanted is not None and wanted != headers["ETag"]:
+                self._send(412, b"", {"Content-Length": "0"}, head)
+                return name
+        match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if match is None:
+            self._send(200, data, {**headers, "Content-Length": str(len(data))}, head)
+            return name
+        start = int(match.group(1))
+        end = min(int(match.group(2) or len(data) - 1), len(data) - 1)
+        part = data[start : end + 1]
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        self._send(206, part, {**headers, "Content-Length": str(len(part))}, head)
+        return name
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        Handler.FILES.clear()
+        Handler.AFTER_HEAD.clear()
+
+
+def rows_until_refused(source: Any, rank: bool) -> list[Any]:
+    """The rows given before the read is refused (it must be)."""
+    got: list[Any] = []
+    share = RowShare(1, 2).rows(ROWS, set())
+    batches = source.rank_batches(["prompt"], "uid", share) if rank else source.batches()
+    with pytest.raises(BatchgenError, match="changed while the job read it") as caught:
+        for batch in batches:
+            got.extend(row.values for row in batch)
+    assert "\n" not in str(caught.value) and "run the same command again" in str(caught.value)
+    return got
+
+
+def changed(kind: str) -> list[tuple[str, bytes]]:
+    """(what, new content): the same rows edited (for JSON Lines the same size), more rows."""
+    return [("edited", MAKE[kind]("B")), ("grown", MAKE[kind]("A", ROWS + 5))]
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_local_file_changed_after_the_scan_gives_no_row(
+    tmp_path: Path, kind: str, rank: bool
+) -> None:
+    path = tmp_path / f"d.{kind}"
+    for what, content in changed(kind):
+        path.write_bytes(MAKE[kind]("A"))
+        stat = path.stat()
+        source = open_input(InputConfig(str(path), batch_rows=4))
+        path.write_bytes(content)
+        # JSON Lines: the old modification time kept (its bytes are checked); Parquet: a later one
+        later = stat.st_mtime_ns + (0 if kind == "jsonl" else 10**9)
+        os.utime(path, ns=(stat.st_atime_ns, later))
+        got = rows_until_refused(source, rank)
+        assert all(not v.get("prompt") or v["prompt"].startswith("A") for v in got), what
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize(
+    ("where", "kind"), [("etag", "jsonl"), ("etag", "parquet"), ("bare", "jsonl")]
+)
+def test_an_http_file_changed_after_the_scan_gives_no_row(
+    server: str, where: str, kind: str, rank: bool
+) -> None:
+    """With an ETag, the open's HEAD sees the change; without one (nor Last-Modified), a JSON
+    Lines file's bytes are checked against its scan's."""
+    for what, content in changed(kind):
+        Handler.FILES[f"d.{kind}"] = MAKE[kind]("A")
+        source = open_input(InputConfig(f"{server}/{where}/d.{kind}", batch_rows=4))
+        Handler.FILES[f"d.{kind}"] = content
+        got = rows_until_refused(source, rank)
+        assert all(not v.get("prompt") or v["prompt"].startswith("A") for v in got), what
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_an_http_file_changed_once_opened_is_refused_by_its_range_requests(
+    server: str, kind: str
+) -> None:
+    """The content changes right after the open's HEAD: the range requests carry If-Match,
+    and the server's 412 is the same one line."""
+    Handler.FILES[f"d.{kind}"] = MAKE[kind]("A")
+    source = open_input(InputConfig(f"{server}/etag/d.{kind}", batch_rows=4))
+    Handler.AFTER_HEAD[f"d.{kind}"] = MAKE[kind]("B")
+    assert rows_until_refused(source, rank=False) == []
+
+
+def test_a_job_over_an_input_changed_after_its_scan_commits_no_row(
+    server: str, model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is edited (same size, no ETag) once the job has scanned it: the job stops in
+    one line before any row is committed."""
+    from batchgen.job import run_job
+    from batchgen.spec import load_spec
+
+    Handler.FILES["d.jsonl"] = jsonl("A")
+    opened = readers._open_jsonl
+
+    def open_then_edit(*args: Any) -> Any:
+        source = opened(*args)
+        Handler.FILES["d.jsonl"] = jsonl("B")
+        return source
+
+    monkeypatch.setattr(readers, "_open_jsonl", open_then_edit)
+    out = tmp_path / "out"
+    spec = load_spec(
+        None,
+        [
+            f"model.path={json.dumps(str(model_dir('llama')))}",
+            f"input.path={json.dumps(f'{server}/bare/d.jsonl')}",
+            f"output.dir={json.dumps(str(out))}",
+            "prompt.id_column='uid'",
+            "prompt.passthrough=['prompt']",
+            "output.format='jsonl'",
+            "sampling.max_new_tokens=2",
+            "runtime.quiet=true",
+            "runtime.device='cpu'",
+        ],
+    )
+    with pytest.raises(BatchgenError, match="changed while the job read it"):
+        run_job(spec)
+    assert not (out / "results.jsonl").exists()
+    assert not [p for p in out.rglob("*") if p.is_file() and p.parent.name == "shards"]
