@@ -37,7 +37,8 @@ FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet()}
 
 class Handler(BaseHTTPRequestHandler):
     """/plain/<name>: with Range; /gzip/<name>: Content-Encoding gzip; /short/<name>: half
-    the body its Content-Length announces."""
+    the body its Content-Length announces; /norange/<name>: the whole file whatever the Range
+    (as `python -m http.server`); /probe/<name>: a one-byte range alone answered as asked."""
 
     protocol_version = "HTTP/1.1"
 
@@ -65,33 +66,42 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, b"not found", {"Content-Length": "9"}, head)
         elif kind == "plain":
             self._plain(data, head)
+        elif kind == "norange" or (kind == "probe" and not self._one_byte()):
+            self._send(200, data, {"Content-Length": str(len(data))}, head)
+        elif kind == "probe":
+            self._plain(data, head)
         elif kind == "gzip":
             body = gzip.compress(data, mtime=0)
             self._send(
                 200, body, {"Content-Length": str(len(body)), "Content-Encoding": "gzip"}, head
             )
         else:  # short
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if not head:
-                self.wfile.write(data[: len(data) // 2])
-            self.close_connection = True
+            self._plain(data, head, short=True)
 
-    def _plain(self, data: bytes, head: bool) -> None:
+    def _one_byte(self) -> bool:
+        match = re.match(r"bytes=(\d+)-(\d+)$", self.headers.get("Range") or "")
+        return match is not None and match.group(1) == match.group(2)
+
+    def _plain(self, data: bytes, head: bool, short: bool = False) -> None:
+        """short: half the body its Content-Length announces, then the connection closed."""
         match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-        if match is None:
-            self._send(200, data, {"Content-Length": str(len(data))}, head)
-            return
-        start = int(match.group(1))
-        end = min(int(match.group(2) or len(data) - 1), len(data) - 1)
-        part = data[start : end + 1]
-        headers = {
-            "Content-Length": str(len(part)),
-            "Content-Range": f"bytes {start}-{end}/{len(data)}",
-            "Accept-Ranges": "bytes",
-        }
-        self._send(206, part, headers, head)
+        code, part, headers = 200, data, {}
+        if match is not None:
+            start = int(match.group(1))
+            end = min(int(match.group(2) or len(data) - 1), len(data) - 1)
+            code, part = 206, data[start : end + 1]
+            headers = {
+                "Content-Range": f"bytes {start}-{end}/{len(data)}",
+                "Accept-Ranges": "bytes",
+            }
+        cut = len(part) > 1 and short
+        self._send(
+            code,
+            part[: len(part) // 2] if cut else part,
+            headers | {"Content-Length": str(len(part))},
+            head,
+        )
+        self.close_connection = cut
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +135,8 @@ def test_an_http_url_is_read_as_one_object(server: str, name: str, query: str) -
         ("gzip/d.parquet", "cannot be read by byte ranges: download it"),
         ("short/d.jsonl", "the transfer failed: run again"),
         ("short/d.parquet", "the transfer failed: run again"),
+        ("norange/d.jsonl", "cannot be read by byte ranges: download it"),
+        ("norange/d.parquet", "cannot be read by byte ranges: download it"),
         ("plain/missing.jsonl", "does not exist"),
         ("plain/*.jsonl", "does not exist"),
     ],
@@ -134,6 +146,30 @@ def test_what_cannot_be_read_over_http_is_one_line(server: str, where: str, mess
         source = open_input(InputConfig(path=f"{server}/{where}"))
         source.fingerprint()
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_read_midway_that_a_server_answers_whole_is_one_line(server: str, name: str) -> None:
+    """The server answers the one-byte check by its range, later ones with the whole file."""
+    from batchgen.io.fs import as_path
+
+    with as_path(f"{server}/probe/{name}").open() as f, pytest.raises(OSError) as caught:
+        f.seek(len(FILES[name]) // 2)
+        f.read(4)
+    assert "cannot be read by byte ranges: download it" in str(caught.value)
+
+
+def test_validate_refuses_a_server_that_ignores_range_requests(server: str, tmp_path: Path) -> None:
+    """A user's error, exit 2, before any model work: not an internal error."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    for name in FILES:
+        args = ["validate", "--model", "default", "--input", f"{server}/norange/{name}"]
+        result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "out")])
+        assert result.exit_code == 2, result.output
+        assert "cannot be read by byte ranges: download it and give the local file" in result.output
 
 
 def test_a_job_over_an_http_url_resumes_under_a_fresh_query_string(

@@ -202,18 +202,24 @@ def _conditions(expected: Identity) -> dict[str, str]:
 
 def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """method(*args), a store library's failure that is no OSError (aiohttp's payload and
-    timeout errors, fsspec's ValueError on a file it cannot seek) raised as an OSError: what
-    every reader of a file already reports as one line."""
+    timeout errors, fsspec's ValueError on a file it cannot seek or whose server ignores
+    range requests) raised as an OSError: what every reader of a file already reports as one
+    line."""
     try:
         return method(*args, **kwargs)
     except OSError:
         raise
     except ValueError as exc:
-        if "seek" not in str(exc).lower():
+        text = str(exc).lower()
+        if "seek" in text:
+            why = "gives no length for it or sends it compressed (Content-Encoding)"
+        elif "range requests" in text:
+            why = "answers a range request with the whole file (no Range, or compressed)"
+        else:
             raise
         raise OSError(
-            "its server gives no length for it or sends it compressed (Content-Encoding), so "
-            "it cannot be read by byte ranges: download it and give the local file"
+            f"its server {why}, so it cannot be read by byte ranges: download it and give the "
+            "local file"
         ) from exc
     except Exception as exc:  # the library's own (network) errors
         if type(exc).__module__.split(".")[0] not in _STORE_LIBRARIES:
@@ -372,6 +378,15 @@ class ObjectPath:
 
     def read_bytes(self) -> bytes:
         return _store_call(self.fs.cat_file, self.fs_path)
+
+    def check_ranges(self) -> None:
+        """OSError (one line) unless the store serves this object by byte ranges: one byte
+        read by a range request of its own (the second byte: a server that ignores Range
+        answers with the whole file, refused before its body is read)."""
+        opened = _store_call(self.fs.open, self.fs_path, "rb", block_size=2, cache_type="none")
+        with StoreFile(opened, str(self)) as f:
+            f.seek(1)
+            f.read(1)
 
     def exists(self) -> bool:
         return self.fs.exists(self.fs_path)

@@ -58,7 +58,19 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
 def _one_object(path: ObjectPath, raw: str) -> list[tuple[ObjectPath, str]]:
     if _kind(path) is None:
         raise BatchgenError(f"input {raw!r} does not exist: check the URL")
+    _check_ranges(path, raw)
     return [(path, raw)]
+
+
+def _check_ranges(path: ObjectPath, raw: str) -> None:
+    """One byte read by a range request (the second: a server that ignores Range answers the
+    whole file, which is refused before its body is read), so a server that cannot serve the
+    file by byte ranges is one line before any work, not a failure midway."""
+    try:
+        path.check_ranges()
+    except OSError as exc:
+        lines = str(exc).strip().splitlines()
+        raise BatchgenError(f"input {raw!r}: {lines[0] if lines else type(exc).__name__}") from exc
 
 
 def _kind(path: ObjectPath) -> str | None:
