@@ -38,7 +38,8 @@ FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet()}
 class Handler(BaseHTTPRequestHandler):
     """/plain/<name>: with Range; /gzip/<name>: Content-Encoding gzip; /short/<name>: half
     the body its Content-Length announces; /norange/<name>: the whole file whatever the Range
-    (as `python -m http.server`); /probe/<name>: a one-byte range alone answered as asked."""
+    (as `python -m http.server`); /probe/<name>: a one-byte range alone answered as asked;
+    /e<status>/<name>: that status to every request; /get<status>/<name>: to a GET alone."""
 
     protocol_version = "HTTP/1.1"
 
@@ -62,8 +63,12 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, head: bool) -> None:
         kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
         data = FILES.get(name)
+        refused = re.match(r"(e|get)(\d+)$", kind)
         if data is None:
             self._send(404, b"not found", {"Content-Length": "9"}, head)
+        elif refused and (refused.group(1) == "e" or not head):
+            body = b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+            self._send(int(refused.group(2)), body, {"Content-Length": str(len(body))}, head)
         elif kind == "plain":
             self._plain(data, head)
         elif kind == "norange" or (kind == "probe" and not self._one_byte()):
@@ -138,6 +143,15 @@ def test_an_http_url_is_read_as_one_object(server: str, name: str, query: str) -
         ("norange/d.jsonl", "cannot be read by byte ranges: download it"),
         ("norange/d.parquet", "cannot be read by byte ranges: download it"),
         ("plain/missing.jsonl", "does not exist"),
+        ("e404/d.jsonl", "does not exist: check the URL"),
+        ("e410/d.jsonl", "does not exist: check the URL"),
+        ("e403/d.jsonl", "refused access (HTTP 403): the URL may have expired or need credentials"),
+        ("e401/d.parquet", "refused access (HTTP 401): the URL may have expired"),
+        ("e500/d.jsonl", "server error (HTTP 500): run again later"),
+        ("e503/d.parquet", "server error (HTTP 503): run again later"),
+        ("e429/d.jsonl", "server error (HTTP 429): run again later"),
+        ("get403/d.parquet", "refused access (HTTP 403): the URL may have expired"),
+        ("get503/d.jsonl", "server error (HTTP 503): run again later"),
         ("plain/*.jsonl", "does not exist"),
     ],
 )

@@ -49,11 +49,13 @@ MAKE = {"jsonl": jsonl, "parquet": parquet}
 class Handler(BaseHTTPRequestHandler):
     """/etag/<name>: byte ranges, a strong ETag, If-Match honoured (412); /bare/<name>: byte
     ranges, neither ETag nor Last-Modified. FILES: name -> content; AFTER_HEAD: name -> the
-    content served after the next HEAD request for it is answered."""
+    content served after the next HEAD request for it is answered; REFUSED: names answered
+    403 (a presigned URL expired)."""
 
     protocol_version = "HTTP/1.1"
     FILES: ClassVar[dict[str, bytes]] = {}
     AFTER_HEAD: ClassVar[dict[str, bytes]] = {}
+    REFUSED: ClassVar[set[str]] = set()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -77,6 +79,9 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, head: bool) -> str:
         kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
         data = self.FILES[name]
+        if name in self.REFUSED:
+            self._send(403, b"expired", {"Content-Length": "7"}, head)
+            return name
         headers = {"Accept-Ranges": "bytes"}
         if kind == "etag":
             headers["ETag"] = f'"{hashlib.sha256(data).hexdigest()[:16]}"'
@@ -108,6 +113,7 @@ def server() -> Iterator[str]:
         httpd.server_close()
         Handler.FILES.clear()
         Handler.AFTER_HEAD.clear()
+        Handler.REFUSED.clear()
 
 
 def rows_until_refused(source: Any, rank: bool) -> list[Any]:
@@ -210,3 +216,13 @@ def test_a_job_over_an_input_changed_after_its_scan_commits_no_row(
         run_job(spec)
     assert not (out / "results.jsonl").exists()
     assert not [p for p in out.rglob("*") if p.is_file() and p.parent.name == "shards"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_url_refused_after_the_scan_is_no_change(server: str, kind: str) -> None:
+    """A presigned URL that expires while the job runs is said to be refused, not changed."""
+    Handler.FILES[f"d.{kind}"] = MAKE[kind]("A")
+    source = open_input(InputConfig(f"{server}/etag/d.{kind}", batch_rows=4))
+    Handler.REFUSED.add(f"d.{kind}")
+    with pytest.raises(BatchgenError, match=r"refused access \(HTTP 403\): the URL may have"):
+        list(source.batches())

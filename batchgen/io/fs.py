@@ -169,7 +169,9 @@ def check_unchanged(path: AnyPath, name: str, expected: Identity) -> Identity:
     try:
         now = identity(path)
     except FileNotFoundError as exc:
-        raise InputChanged(name, "it is gone, or its URL no longer answers") from exc
+        if (line := status_line(http_status(exc))) is not None:
+            raise BatchgenError(f"input {name!r}: {line}") from exc
+        raise InputChanged(name, "it is gone") from exc
     if now != expected:
         seen = dict(now)
         differ = dict.fromkeys(label for label, value in expected if seen.get(label) != value)
@@ -186,6 +188,19 @@ def http_status(exc: BaseException) -> int | None:
         if isinstance(status, int):
             return status
         seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def status_line(status: int | None) -> str | None:
+    """What an HTTP status that refuses a read means, and what to do; None for none, and for
+    a file not found (404, 410: the caller says so in its own words)."""
+    if status in (401, 403):
+        return (
+            f"the server refused access (HTTP {status}): the URL may have expired or need "
+            "credentials: get a fresh one"
+        )
+    if status == 429 or (status is not None and status >= 500):
+        return f"server error (HTTP {status}): run again later"
     return None
 
 
@@ -207,7 +222,9 @@ def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     line."""
     try:
         return method(*args, **kwargs)
-    except OSError:
+    except OSError as exc:
+        if (line := status_line(http_status(exc))) is not None:
+            raise OSError(line) from exc  # fsspec's FileNotFoundError for any refused HEAD
         raise
     except ValueError as exc:
         text = str(exc).lower()
@@ -224,6 +241,8 @@ def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except Exception as exc:  # the library's own (network) errors
         if type(exc).__module__.split(".")[0] not in _STORE_LIBRARIES:
             raise
+        if (line := status_line(http_status(exc))) is not None:
+            raise OSError(line) from exc
         lines = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
         raise OSError(f"{reason}; the transfer failed: run again") from exc

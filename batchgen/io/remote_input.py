@@ -8,7 +8,14 @@ from __future__ import annotations
 import glob
 
 from batchgen.errors import BatchgenError
-from batchgen.io.fs import URL_SCHEMES, ObjectPath, as_path, store_error
+from batchgen.io.fs import (
+    URL_SCHEMES,
+    ObjectPath,
+    as_path,
+    http_status,
+    status_line,
+    store_error,
+)
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
     folder_skips,
@@ -31,7 +38,7 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
             if not keys:
                 raise BatchgenError(f"no files match {raw!r}: check the pattern")
             return [(ObjectPath(root.fs, root.scheme, k), f"{root.scheme}://{k}") for k in keys]
-        if _kind(root) == "file":
+        if _kind(root, raw) == "file":
             return [(root, raw)]
         found = list(root.rglob("*"))
         if any(str(path.relative_to(root)) in SAVED_DATASET_MARKERS for path in found):
@@ -56,7 +63,7 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
 
 
 def _one_object(path: ObjectPath, raw: str) -> list[tuple[ObjectPath, str]]:
-    if _kind(path) is None:
+    if _kind(path, raw) is None:
         raise BatchgenError(f"input {raw!r} does not exist: check the URL")
     _check_ranges(path, raw)
     return [(path, raw)]
@@ -73,10 +80,13 @@ def _check_ranges(path: ObjectPath, raw: str) -> None:
         raise BatchgenError(f"input {raw!r}: {lines[0] if lines else type(exc).__name__}") from exc
 
 
-def _kind(path: ObjectPath) -> str | None:
+def _kind(path: ObjectPath, raw: str) -> str | None:
     """ "file", "directory", or None when nothing is there; the store's errors (access refused)
-    propagate, where `is_file` would hide them."""
+    propagate, where `is_file` would hide them. A web server's refusal (fsspec raises
+    FileNotFoundError for every status) is one line by its status."""
     try:
         return path.info()["type"]
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if (line := status_line(http_status(exc))) is not None:
+            raise BatchgenError(f"input {raw!r}: {line}") from exc
         return None
