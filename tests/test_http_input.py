@@ -32,14 +32,28 @@ def _parquet() -> bytes:
     return sink.getvalue()
 
 
-FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet()}
+def _big_parquet() -> bytes:
+    """Over 64 KiB (Arrow's footer read), in row groups, uncompressed."""
+    sink = io.BytesIO()
+    table = pa.table(
+        {"uid": [f"u{i}" for i in range(BIG)], "prompt": [f"p{i} " * 8 for i in range(BIG)]}
+    )
+    pq.write_table(table, sink, row_group_size=500, compression="none")
+    return sink.getvalue()
+
+
+BIG = 3000
+CAP = 4096
+FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet(), "big.parquet": _big_parquet()}
 
 
 class Handler(BaseHTTPRequestHandler):
     """/plain/<name>: with Range; /gzip/<name>: Content-Encoding gzip; /short/<name>: half
     the body its Content-Length announces; /norange/<name>: the whole file whatever the Range
     (as `python -m http.server`); /probe/<name>: a one-byte range alone answered as asked;
-    /e<status>/<name>: that status to every request; /get<status>/<name>: to a GET alone."""
+    /e<status>/<name>: that status to every request; /get<status>/<name>: to a GET alone;
+    /cap/<name>: a range answered with CAP bytes at most (206, a correct Content-Range);
+    /breakmid/<name>: a range from byte 1 to 64 KiB before the end broken off midway."""
 
     protocol_version = "HTTP/1.1"
 
@@ -73,8 +87,10 @@ class Handler(BaseHTTPRequestHandler):
             self._plain(data, head)
         elif kind == "norange" or (kind == "probe" and not self._one_byte()):
             self._send(200, data, {"Content-Length": str(len(data))}, head)
-        elif kind == "probe":
-            self._plain(data, head)
+        elif kind in ("probe", "cap"):
+            self._plain(data, head, cap=CAP if kind == "cap" else None)
+        elif kind == "breakmid":
+            self._plain(data, head, short=0 < self._start() < len(data) - 65536)
         elif kind == "gzip":
             body = gzip.compress(data, mtime=0)
             self._send(
@@ -87,13 +103,19 @@ class Handler(BaseHTTPRequestHandler):
         match = re.match(r"bytes=(\d+)-(\d+)$", self.headers.get("Range") or "")
         return match is not None and match.group(1) == match.group(2)
 
-    def _plain(self, data: bytes, head: bool, short: bool = False) -> None:
+    def _start(self) -> int:
+        """The first byte a range request asks for (-1: no range, or one byte alone)."""
+        match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        return -1 if match is None or self._one_byte() else int(match.group(1))
+
+    def _plain(self, data: bytes, head: bool, short: bool = False, cap: int | None = None) -> None:
         """short: half the body its Content-Length announces, then the connection closed."""
         match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
         code, part, headers = 200, data, {}
         if match is not None:
             start = int(match.group(1))
             end = min(int(match.group(2) or len(data) - 1), len(data) - 1)
+            end = end if cap is None else min(end, start + cap - 1)
             code, part = 206, data[start : end + 1]
             headers = {
                 "Content-Range": f"bytes {start}-{end}/{len(data)}",
@@ -210,3 +232,30 @@ def test_a_job_over_an_http_url_resumes_under_a_fresh_query_string(
     assert first.complete and first.summary.rows_ok == 12
     again = run_job(spec("?sig=2"))
     assert again.complete and again.summary.resumed and again.summary.run_rows_ok == 0
+
+
+@pytest.mark.parametrize("name", ["big.parquet", "d.jsonl"])
+def test_ranges_answered_short_are_read_whole(server: str, name: str) -> None:
+    """A server may answer a range request with fewer bytes than asked: the rest is asked
+    for, every row comes whole."""
+    source = open_input(InputConfig(path=f"{server}/cap/{name}"))
+    rows = [row.values for batch in source.batches() for row in batch]
+    count = BIG if name == "big.parquet" else 12
+    assert [r["uid"] for r in rows] == [f"u{i}" for i in range(count)]
+    if name == "big.parquet":
+        assert [r["prompt"] for r in rows] == [f"p{i} " * 8 for i in range(BIG)]
+
+
+@pytest.mark.parametrize("rank", [False, True])
+def test_a_parquet_transfer_broken_midway_is_no_damaged_file(server: str, rank: bool) -> None:
+    """The footer reads whole, then a row group's transfer breaks off: the line says the
+    transfer failed (run again), not that the file is damaged (replace it)."""
+    from batchgen.row_share import RowShare
+
+    source = open_input(InputConfig(path=f"{server}/breakmid/big.parquet"))
+    share = RowShare(0, 2).rows(BIG, set())
+    with pytest.raises(BatchgenError) as caught:
+        list(source.rank_batches(["prompt"], "uid", share) if rank else source.batches())
+    message = str(caught.value)
+    assert "the transfer failed: run again" in message and "\n" not in message
+    assert "damaged" not in message and "replace" not in message

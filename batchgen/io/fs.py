@@ -215,17 +215,18 @@ def _conditions(expected: Identity) -> dict[str, str]:
     return {"If-Unmodified-Since": modified} if isinstance(modified, str) else {}
 
 
+class StoreFailure(OSError):
+    """A store that failed to serve a file (a broken transfer, a refusal, a server that cannot
+    give byte ranges), as one line that says what to do: no fault of the file's content."""
+
+
 def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """method(*args), a store library's failure that is no OSError (aiohttp's payload and
-    timeout errors, fsspec's ValueError on a file it cannot seek or whose server ignores
-    range requests) raised as an OSError: what every reader of a file already reports as one
-    line."""
+    """method(*args), a store library's failure (aiohttp's payload, connection and timeout
+    errors, an HTTP status, fsspec's ValueError on a file it cannot seek or whose server
+    ignores range requests) raised as a StoreFailure: an OSError, what every reader of a file
+    already reports as one line."""
     try:
         return method(*args, **kwargs)
-    except OSError as exc:
-        if (line := status_line(http_status(exc))) is not None:
-            raise OSError(line) from exc  # fsspec's FileNotFoundError for any refused HEAD
-        raise
     except ValueError as exc:
         text = str(exc).lower()
         if "seek" in text:
@@ -234,18 +235,24 @@ def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             why = "answers a range request with the whole file (no Range, or compressed)"
         else:
             raise
-        raise OSError(
+        raise StoreFailure(
             f"its server {why}, so it cannot be read by byte ranges: download it and give the "
             "local file"
         ) from exc
     except Exception as exc:  # the library's own (network) errors
-        if type(exc).__module__.split(".")[0] not in _STORE_LIBRARIES:
-            raise
         if (line := status_line(http_status(exc))) is not None:
-            raise OSError(line) from exc
+            raise StoreFailure(line) from exc  # fsspec's FileNotFoundError for a refused HEAD
+        if isinstance(exc, StoreFailure) or not _from_store_library(exc):
+            raise
         lines = str(exc).strip().splitlines()
         reason = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-        raise OSError(f"{reason}; the transfer failed: run again") from exc
+        raise StoreFailure(f"{reason}; the transfer failed: run again") from exc
+
+
+def _from_store_library(exc: BaseException) -> bool:
+    """Whether a store library raised `exc` as its own type (aiohttp's connection errors are
+    OSErrors too; a plain FileNotFoundError is no transfer's failure)."""
+    return type(exc).__module__.split(".")[0] in _STORE_LIBRARIES
 
 
 _STORE_LIBRARIES = {"aiohttp", "asyncio", "fsspec", "s3fs", "gcsfs", "adlfs", "botocore"}
@@ -269,7 +276,18 @@ class StoreFile:
             raise
 
     def read(self, size: int = -1) -> bytes:
-        return self._call(self._f.read, size)
+        """`size` bytes, fewer only at the object's end: a server may answer a range request
+        with fewer bytes than asked (a correct 206), and a reader (pyarrow) takes a short read
+        for the end of the file."""
+        data = self._call(self._f.read, size)
+        if size is None or size < 0 or len(data) in (0, size):
+            return data
+        parts = [data]
+        missing = size - len(data)
+        while missing > 0 and (more := self._call(self._f.read, missing)):
+            parts.append(more)
+            missing -= len(more)
+        return b"".join(parts)
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(memoryview(buffer)))
@@ -386,11 +404,15 @@ class ObjectPath:
         Last-Modified), so a change while it is read is refused too."""
         if mode != "rb":
             raise ValueError(f"ObjectPath.open({mode!r}): objects are written whole (write_whole)")
+        # http(s): fsspec's default cache takes a range answered short (a correct 206 of fewer
+        # bytes than asked) for the whole block; its read-ahead cache keeps what came
+        options: dict[str, Any] = {"cache_type": "readahead"} if self.scheme in URL_SCHEMES else {}
         if pinned is None:
-            return StoreFile(_store_call(self.fs.open, self.fs_path, "rb"), str(self))
+            return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), str(self))
         name, expected = pinned
         size = dict(check_unchanged(self, name, expected))["size"]
-        options: dict[str, Any] = {"size": size} if size is not None else {}
+        if size is not None:
+            options["size"] = size
         if self.scheme in URL_SCHEMES and (headers := _conditions(expected)):
             options["headers"] = headers
         return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), name)

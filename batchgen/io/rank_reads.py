@@ -25,7 +25,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import BatchgenError
 from batchgen.io import readers
 from batchgen.io.fs import Identity, InputChanged, arrow_file
 from batchgen.row_share import RankRows
@@ -49,10 +48,11 @@ def parquet_rank_rows(
                 )
                 start += pf.metadata.num_rows
         except (pa.ArrowException, OSError) as exc:
-            raise BatchgenError(
+            damaged = (
                 f"parquet file {name!r} is damaged ({readers._reason(exc)}): "
                 "replace it and run again"
-            ) from exc
+            )
+            raise readers.parquet_failure(exc, name, damaged) from exc
 
 
 @contextmanager

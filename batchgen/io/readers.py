@@ -29,6 +29,7 @@ from batchgen.io import rank_reads  # one rank's rows; it reads through this mod
 from batchgen.io.fs import (
     Identity,
     InputChanged,
+    StoreFailure,
     arrow_file,
     check_unchanged,
     common_folder,
@@ -313,9 +314,8 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
             with arrow_file(path, (name, identities[-1])) as f:
                 meta = pq.read_metadata(f)
         except (pa.ArrowException, OSError) as exc:
-            raise BatchgenError(
-                f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
-            ) from exc
+            damaged = f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
+            raise parquet_failure(exc, name, damaged) from exc
         num_rows += meta.num_rows
         try:
             schema = meta.schema.to_arrow_schema()
@@ -377,9 +377,16 @@ def _parquet_rows(
                     for values in batch.to_pylist():
                         yield project(values, columns), None
         except (pa.ArrowException, OSError) as exc:
-            raise BatchgenError(
-                f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
-            ) from exc
+            damaged = f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
+            raise parquet_failure(exc, name, damaged) from exc
+
+
+def parquet_failure(exc: BaseException, name: str, damaged: str) -> BatchgenError:
+    """A Parquet read's failure as one line: its store's (a broken transfer, a refusal: the
+    store's own line, what to do) or else the file's content (`damaged`)."""
+    if isinstance(exc, StoreFailure):
+        return BatchgenError(f"reading {name!r} failed: {exc}")
+    return BatchgenError(damaged)
 
 
 def still_scanned(path: Path, name: str, known: Identity) -> None:
