@@ -744,3 +744,38 @@ def test_a_bad_spec_closes_the_engine_process_started_before_it(
     assert result.exit_code == 2 and len(lines) == 1 and "bogus" in lines[0], lines
     assert len(started_servers) == 1 and started_servers[0].closed
     assert started_servers[0].process.wait(timeout=60) is not None
+
+
+def test_a_send_blocked_on_one_pipe_holds_back_no_other_pipe() -> None:
+    """Messages to one pipe are whole whichever threads send them; a sender blocked on a
+    full pipe (its reader busy) does not stop a send to another pipe."""
+    import select
+
+    from batchgen.engine.remote.protocol import receive, send
+
+    full_r, full_w = _pipe()
+    free_r, free_w = _pipe()
+    big = ("rows", b"x" * (4 << 20))  # far more than a pipe holds: its send blocks
+    blocked = threading.Thread(target=send, args=(full_w, big), daemon=True)
+    blocked.start()
+    assert select.select([full_r], [], [], 60)[0], "the blocked send has begun writing"
+    sent = threading.Event()
+
+    def send_both() -> None:
+        send(free_w, ("a", 1))
+        send(free_w, ("b", 2))
+        sent.set()
+
+    threading.Thread(target=send_both, daemon=True).start()
+    assert sent.wait(60), "a send to another pipe waited for the blocked one"
+    assert [receive(free_r), receive(free_r)] == [("a", 1), ("b", 2)]
+    assert receive(full_r) == big  # the blocked send, whole once read
+    blocked.join(60)
+    for f in (full_r, full_w, free_r, free_w):
+        f.close()
+
+
+def _pipe() -> tuple[Any, Any]:
+    """(read end, write end) of a new pipe, as buffered files."""
+    r, w = os.pipe()
+    return os.fdopen(r, "rb"), os.fdopen(w, "wb")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
+import weakref
 from array import array
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
@@ -42,13 +43,17 @@ FRAME = struct.Struct("<Q")  # the byte length of the pickle that follows
 # (request id, the prompt: its ids as int64 bytes when packed, else as given; packed;
 # sampling; seed key; the vocabulary size the ids were found inside or None)
 Row = tuple[str, Any, bool, Any, Any, int | None]
-_SENDING = threading.Lock()
+# one lock per pipe: a send blocked on one full pipe never holds back another pipe's
+_SENDING: weakref.WeakKeyDictionary[IO[bytes], threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS = threading.Lock()  # guards _SENDING
 
 
 def send(pipe: IO[bytes], message: tuple) -> None:
     """One message, whole: the frames of two threads sending at once do not interleave."""
     data = pickle.dumps(message, PICKLE)
-    with _SENDING:
+    with _LOCKS:
+        sending = _SENDING.setdefault(pipe, threading.Lock())
+    with sending:
         pipe.write(FRAME.pack(len(data)))
         pipe.write(data)
         pipe.flush()
