@@ -1,8 +1,10 @@
 """An input file that changes after the job scanned it (local, or over http(s) from a local
 server on 127.0.0.1, a thread) is refused in one line before any row of the new content is
-given: its size, modification time, inode or ETag is checked at every open, every range
-request is conditional on the ETag, and JSON Lines bytes are checked against the scan's
-digests before their rows are given."""
+given, and one whose bytes are the same is read whole: JSON Lines bytes are checked against
+the scan's digests before their rows are given (their size, time or ETag are not asked);
+a Parquet file's size and modification time (an object's ETag) are checked at every open and
+every batch, every range request is conditional on the ETag, and a local file whose time
+alone changed is hashed again and compared with the job's fingerprint."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,14 +50,16 @@ MAKE = {"jsonl": jsonl, "parquet": parquet}
 
 class Handler(BaseHTTPRequestHandler):
     """/etag/<name>: byte ranges, a strong ETag, If-Match honoured (412); /bare/<name>: byte
-    ranges, neither ETag nor Last-Modified. FILES: name -> content; AFTER_HEAD: name -> the
-    content served after the next HEAD request for it is answered; REFUSED: names answered
-    403 (a presigned URL expired)."""
+    ranges, neither ETag nor Last-Modified; /backends/<name>: as /etag/, but the answers come
+    from two backends in turn, each with an ETag of its own for the same bytes. FILES: name ->
+    content; AFTER_HEAD: name -> the content served after the next HEAD request for it is
+    answered; REFUSED: names answered 403 (a presigned URL expired)."""
 
     protocol_version = "HTTP/1.1"
     FILES: ClassVar[dict[str, bytes]] = {}
     AFTER_HEAD: ClassVar[dict[str, bytes]] = {}
     REFUSED: ClassVar[set[str]] = set()
+    answered: ClassVar[int] = 0  # answers so far (which backend answers next)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -83,8 +87,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send(403, b"expired", {"Content-Length": "7"}, head)
             return name
         headers = {"Accept-Ranges": "bytes"}
-        if kind == "etag":
-            headers["ETag"] = f'"{hashlib.sha256(data).hexdigest()[:16]}"'
+        if kind in ("etag", "backends"):
+            backend = f"backend{Handler.answered % 2}-" if kind == "backends" else ""
+            Handler.answered += 1
+            headers["ETag"] = f'"{backend}{hashlib.sha256(data).hexdigest()[:16]}"'
             wanted = self.headers.get("If-Match")
             if wanted is not None and wanted != headers["ETag"]:
                 self._send(412, b"", {"Content-Length": "0"}, head)
@@ -114,6 +120,7 @@ def server() -> Iterator[str]:
         Handler.FILES.clear()
         Handler.AFTER_HEAD.clear()
         Handler.REFUSED.clear()
+        Handler.answered = 0
 
 
 def rows_until_refused(source: Any, rank: bool) -> list[Any]:
@@ -149,6 +156,104 @@ def test_a_local_file_changed_after_the_scan_gives_no_row(
         os.utime(path, ns=(stat.st_atime_ns, later))
         got = rows_until_refused(source, rank)
         assert all(not v.get("prompt") or v["prompt"].startswith("A") for v in got), what
+
+
+def read_all(source: Any, rank: bool) -> list[Any]:
+    share = RowShare(1, 2).rows(ROWS, set())
+    batches = source.rank_batches(["prompt"], "uid", share) if rank else source.batches()
+    return [row.values for batch in batches for row in batch]
+
+
+def touch(path: Path) -> None:
+    """A later modification time, the same bytes."""
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+
+def replace_same(path: Path) -> None:
+    """The same bytes written to a new file that replaces it (a new inode), its time kept."""
+    stat = path.stat()
+    fresh = path.with_name(f".{path.name}.new")
+    fresh.write_bytes(path.read_bytes())
+    os.utime(fresh, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(fresh, path)
+
+
+def replace_later(path: Path) -> None:
+    """The same bytes atomically replacing it, with a later modification time."""
+    replace_same(path)
+    touch(path)
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize("how", [touch, replace_same, replace_later])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_local_file_with_the_same_bytes_is_read_whole(
+    tmp_path: Path, kind: str, how: Callable[[Path], None], rank: bool
+) -> None:
+    """Touched or replaced by the same bytes after the scan (and the job's fingerprint): no
+    change. JSON Lines bytes are checked against the scan's digests; a Parquet file whose
+    time changed is hashed again and compared with its fingerprint's digest."""
+    path = tmp_path / f"d.{kind}"
+    path.write_bytes(MAKE[kind]("A"))
+    source = open_input(InputConfig(str(path), batch_rows=4))
+    before = source.fingerprint()
+    how(path)
+    got = read_all(source, rank)
+    assert len(got) == ROWS and all(v.get("prompt") or v.get("uid") for v in got)
+    assert source.fingerprint() == before
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_local_file_touched_midway_is_read_whole(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"d.{kind}"
+    path.write_bytes(MAKE[kind]("A"))
+    source = open_input(InputConfig(str(path), batch_rows=4))
+    source.fingerprint()  # a job takes it before it reads a row
+    got = []
+    for batch in source.batches():
+        got.extend(row.values["prompt"] for row in batch)
+        replace_later(path)
+    assert got == [f"A {i}" for i in range(ROWS)]
+
+
+def test_a_parquet_file_whose_time_changed_before_its_fingerprint_is_refused(
+    tmp_path: Path,
+) -> None:
+    """No digest to compare with yet: a changed time is a changed file."""
+    path = tmp_path / "d.parquet"
+    path.write_bytes(parquet("A"))
+    source = open_input(InputConfig(str(path), batch_rows=4))
+    touch(path)
+    with pytest.raises(BatchgenError, match="changed while the job read it"):
+        source.fingerprint()
+
+
+def test_a_parquet_file_changed_after_its_fingerprint_is_refused_midway(tmp_path: Path) -> None:
+    """Its time changed and its bytes differ (same size): hashed again, refused."""
+    path = tmp_path / "d.parquet"
+    path.write_bytes(parquet("A"))
+    source = open_input(InputConfig(str(path), batch_rows=4))
+    source.fingerprint()
+    got = []
+    with pytest.raises(BatchgenError, match="changed while the job read it"):
+        for batch in source.batches():
+            got.extend(row.values["prompt"] for row in batch)
+            path.write_bytes(parquet("B"))
+            touch(path)
+    assert got == [f"A {i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("rank", [False, True])
+def test_one_url_whose_backends_give_other_etags_for_the_same_bytes_is_read(
+    server: str, rank: bool
+) -> None:
+    """JSON Lines: the span digests are the check, not the ETag (no If-Match is sent: each
+    backend would refuse the other's ETag)."""
+    Handler.FILES["d.jsonl"] = jsonl("A")
+    source = open_input(InputConfig(f"{server}/backends/d.jsonl", batch_rows=4))
+    got = read_all(source, rank)
+    assert len(got) == ROWS and all(v.get("prompt") or v.get("uid") for v in got)
 
 
 @pytest.mark.parametrize("rank", [False, True])

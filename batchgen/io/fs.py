@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, NamedTuple
 
@@ -152,12 +154,13 @@ class InputChanged(BatchgenError):
 
 
 def identity(path: AnyPath) -> Identity:
-    """What says `path` changed, without reading it: a local file's size, modification time
-    (ns) and inode; an object's size and what its store tells of its version (ETag,
+    """What says `path` changed, without reading it: a local file's size and modification
+    time (ns; not its inode, which an atomic replace by the same bytes changes, and some
+    network mounts renumber); an object's size and what its store tells of its version (ETag,
     Last-Modified, version id; one HEAD request)."""
     if not is_object(path):
         stat = os.stat(path)
-        return (("size", stat.st_size), ("modified time", stat.st_mtime_ns), ("inode", stat.st_ino))
+        return (("size", stat.st_size), ("modified time", stat.st_mtime_ns))
     info = _store_call(path.info)
     versions = [(label, info[key]) for key, label in _VERSION_KEYS.items() if info.get(key)]
     return (("size", info.get("size")), *versions)
@@ -177,6 +180,57 @@ def check_unchanged(path: AnyPath, name: str, expected: Identity) -> Identity:
         differ = dict.fromkeys(label for label, value in expected if seen.get(label) != value)
         raise InputChanged(name, f"its {'/'.join(differ) or 'version'} differs")
     return now
+
+
+@dataclass
+class Pin:
+    """An input file as the job first saw it: its name in messages, its identity then, and
+    the SHA-256 of its bytes once hashed (by the input's fingerprint) while that identity held."""
+
+    name: str
+    identity: Identity
+    sha256: str | None = None
+
+
+def check_pinned(path: AnyPath, pin: Pin, stores: bool = False) -> Identity:
+    """check_unchanged against the pin -> the file's identity now. A local file (with stores,
+    an object too: one more download) whose identity differs but whose size does not (touched,
+    replaced by the same bytes; one URL served by backends that give the same bytes other
+    ETags) is hashed again where its digest is known: the same bytes are the same file (its
+    identity now is pinned), other bytes are InputChanged."""
+    try:
+        return check_unchanged(path, pin.name, pin.identity)
+    except InputChanged:
+        if pin.sha256 is None or (is_object(path) and not stores):
+            raise
+        if (now := _same_bytes(path, pin)) is None:
+            raise
+    pin.identity = now
+    return now
+
+
+def _same_bytes(path: AnyPath, pin: Pin) -> Identity | None:
+    """The identity of `path` now where its bytes hash as the pin's, else None."""
+    try:
+        now = identity(path)
+        if dict(now).get("size") != dict(pin.identity).get("size"):
+            return None
+        with path.open("rb") as f:
+            digest = sha256_of(f)
+        # a local file is the one hashed only if it did not change meanwhile; an object's
+        # bytes as read are what the store serves (its version may read differently each time)
+        same = digest == pin.sha256 and (is_object(path) or identity(path) == now)
+    except FileNotFoundError:
+        return None
+    return now if same else None
+
+
+def sha256_of(f: IO[bytes], chunk: int = 1 << 20) -> str:
+    """The SHA-256 of what an open file holds from where it is on."""
+    h = hashlib.sha256()
+    while data := f.read(chunk):
+        h.update(data)
+    return h.hexdigest()
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -398,10 +452,10 @@ class ObjectPath:
 
     # -- the store ---------------------------------------------------------------------------
 
-    def open(self, mode: str = "rb", pinned: tuple[str, Identity] | None = None) -> IO[bytes]:
-        """pinned: (name in messages, identity when scanned): InputChanged when the object is
-        another now; over http(s), every range request is conditional on its ETag (or
-        Last-Modified), so a change while it is read is refused too."""
+    def open(self, mode: str = "rb", pinned: Pin | None = None) -> IO[bytes]:
+        """pinned: the object as first seen: InputChanged when it is another now; over
+        http(s), every range request is conditional on its ETag (or Last-Modified), so a change
+        while it is read is refused too."""
         if mode != "rb":
             raise ValueError(f"ObjectPath.open({mode!r}): objects are written whole (write_whole)")
         # http(s): fsspec's default cache takes a range answered short (a correct 206 of fewer
@@ -409,13 +463,12 @@ class ObjectPath:
         options: dict[str, Any] = {"cache_type": "readahead"} if self.scheme in URL_SCHEMES else {}
         if pinned is None:
             return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), str(self))
-        name, expected = pinned
-        size = dict(check_unchanged(self, name, expected))["size"]
+        size = dict(check_pinned(self, pinned))["size"]
         if size is not None:
             options["size"] = size
-        if self.scheme in URL_SCHEMES and (headers := _conditions(expected)):
+        if self.scheme in URL_SCHEMES and (headers := _conditions(pinned.identity)):
             options["headers"] = headers
-        return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), name)
+        return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), pinned.name)
 
     def read_bytes(self) -> bytes:
         return _store_call(self.fs.cat_file, self.fs_path)
@@ -516,11 +569,11 @@ class ObjectPath:
 
 
 @contextlib.contextmanager
-def arrow_file(path: AnyPath, pinned: tuple[str, Identity] | None = None) -> Iterator[Any]:
+def arrow_file(path: AnyPath, pinned: Pin | None = None) -> Iterator[Any]:
     """What pyarrow reads `path` from: a local file opened here (Arrow's own file: a path
     string would be read as a URI where its first part holds a ':', "S3:" or "rel-10:30"), an
-    object through its store's file (random access by range requests). pinned: (name in
-    messages, identity when scanned): InputChanged when the file is another now."""
+    object through its store's file (random access by range requests). pinned: the file as
+    first seen: InputChanged when it is another now (check_pinned)."""
     if is_object(path):
         with path.open("rb", pinned) as f:
             yield f
@@ -528,21 +581,21 @@ def arrow_file(path: AnyPath, pinned: tuple[str, Identity] | None = None) -> Ite
         import pyarrow as pa  # here: the spec loader imports this module, and needs no Arrow
 
         if pinned is not None:
-            check_unchanged(path, *pinned)
+            check_pinned(path, pinned)
         with pa.OSFile(os.fspath(path), "rb") as f:
             yield f
 
 
 @contextlib.contextmanager
-def open_pinned(path: AnyPath, pinned: tuple[str, Identity] | None) -> Iterator[IO[bytes]]:
-    """path.open("rb"), InputChanged first when pinned (name in messages, identity when
-    scanned) and the file is another now."""
+def open_pinned(path: AnyPath, pinned: Pin | None) -> Iterator[IO[bytes]]:
+    """path.open("rb"), InputChanged first when pinned (the file as first seen) and the file
+    is another now (check_pinned)."""
     if is_object(path):
         with path.open("rb", pinned) as f:
             yield f
         return
     if pinned is not None:
-        check_unchanged(path, *pinned)
+        check_pinned(path, pinned)
     with path.open("rb") as f:
         yield f
 

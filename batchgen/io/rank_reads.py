@@ -26,23 +26,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import readers
-from batchgen.io.fs import Identity, InputChanged, arrow_file
+from batchgen.io.fs import InputChanged, Pin, arrow_file
 from batchgen.row_share import RankRows
 
 
 def parquet_rank_rows(
     files: list[tuple[Path, str]],
-    identities: list[Identity],
+    pins: list[Pin],
     batch_rows: int,
     columns: list[str] | None,
     id_column: str | None,
     rows: RankRows,
 ) -> Iterator[readers.Parsed]:
     start = 0  # index of the file's first row in the whole input
-    for (path, name), known in zip(files, identities, strict=True):
+    for (path, name), pin in zip(files, pins, strict=True):
         try:
-            with _open_parquet(path, name, known) as pf:
-                check = partial(readers.still_scanned, path, name, known)
+            with _open_parquet(path, pin) as pf:
+                check = partial(readers.still_scanned, path, pin)
                 yield from _parquet_file_rows(
                     pf, start, batch_rows, columns, id_column, rows, check
                 )
@@ -56,10 +56,10 @@ def parquet_rank_rows(
 
 
 @contextmanager
-def _open_parquet(path: Path, name: str, known: Identity) -> Iterator[pq.ParquetFile]:
+def _open_parquet(path: Path, pin: Pin) -> Iterator[pq.ParquetFile]:
     # pre_buffer (on by default) would read a whole row group's column chunks at once
     with (
-        arrow_file(path, (name, known)) as f,
+        arrow_file(path, pin) as f,
         pq.ParquetFile(f, buffer_size=readers.PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
     ):
         yield pf

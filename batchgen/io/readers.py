@@ -27,16 +27,17 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
 from batchgen.io.fs import (
-    Identity,
     InputChanged,
+    Pin,
     StoreFailure,
     arrow_file,
-    check_unchanged,
+    check_pinned,
     common_folder,
     identity,
     is_object,
     open_pinned,
     scheme_of,
+    sha256_of,
 )
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
@@ -202,33 +203,36 @@ def _dataset_types(ds: Any) -> dict[str, pa.DataType]:
 def fingerprint_files(
     files: list[tuple[Path, str]],
     digests: list[str] | None = None,
-    identities: list[Identity] | None = None,
+    pins: list[Pin] | None = None,
 ) -> Fingerprint:
     """Name (relative to the files' common folder), size and SHA-256 of every file, in read
     order. digests: already computed SHA-256 values, in the same order; else each file is
-    hashed here, and must still be the file `identities` were taken of when opened."""
+    hashed here, and must still be the file its pin was taken of when opened (its pin then
+    holds the digest)."""
     paths = [path.resolve() for path, _ in files]
     root = common_folder(paths)
     entries = []
     for i, path in enumerate(paths):
-        pinned = None if identities is None else (files[i][1], identities[i])
+        pinned = None if pins is None else pins[i]
         digest = digests[i] if digests is not None else _sha256(path, pinned)
         size = path.stat().st_size
         entries.append({"name": path.relative_to(root).as_posix(), "size": size, "sha256": digest})
     return {"kind": "files", "files": entries}
 
 
-def _sha256(path: Path, pinned: tuple[str, Identity] | None = None) -> str:
-    h = hashlib.sha256()
+def _sha256(path: Path, pinned: Pin | None = None) -> str:
+    """The file's SHA-256; pinned: the file as first seen, which must still be the one hashed
+    (its pin then holds the digest: a later look that finds its identity alone changed
+    compares the bytes with it)."""
     try:
         with open_pinned(path, pinned) as f:
-            while chunk := f.read(COUNT_CHUNK_BYTES):
-                h.update(chunk)
+            digest = sha256_of(f, COUNT_CHUNK_BYTES)
         if pinned is not None:
-            check_unchanged(path, *pinned)  # the hash is of the file the rows are read from
+            check_pinned(path, pinned)  # the hash is of the file the rows are read from
+            pinned.sha256 = digest
     except OSError as exc:
         raise BatchgenError(f"cannot read {str(path)!r} ({_reason(exc)}): check the file") from exc
-    return h.hexdigest()
+    return digest
 
 
 def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
@@ -307,11 +311,11 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
     columns: dict[str, None] = {}  # ordered union of the files' column names
     types: dict[str, set[pa.DataType]] = {}  # each column's types across the files
     num_rows = 0
-    identities = []  # every later open checks that the file is still this one
+    pins = []  # every later open checks that the file is still this one
     for path, name in files:
         try:  # reads only the footer: catches non-parquet and truncated files up front
-            identities.append(identity(path))
-            with arrow_file(path, (name, identities[-1])) as f:
+            pins.append(Pin(name, identity(path)))
+            with arrow_file(path, pins[-1]) as f:
                 meta = pq.read_metadata(f)
         except (pa.ArrowException, OSError) as exc:
             damaged = f"cannot read parquet file {name!r} ({_reason(exc)}): replace or remove it"
@@ -328,18 +332,18 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         for f in schema:
             types.setdefault(f.name, set()).add(f.type)
     description = describe_files(files, "parquet", config.path)
-    reader = partial(_parquet_rows, files, identities, config.batch_rows)
+    reader = partial(_parquet_rows, files, pins, config.batch_rows)
     return InputSource(
         list(columns),
         num_rows,
         description,
         config.batch_rows,
         reader,
-        fingerprint=functools.cache(partial(fingerprint_files, files, None, identities)),
+        fingerprint=functools.cache(partial(fingerprint_files, files, None, pins)),
         types=(declared := _declared_types(types)),
         promoted=frozenset(name for name in declared if len(types[name]) > 1),
         files=tuple(path for path, _ in files),
-        read_rank=partial(rank_reads.parquet_rank_rows, files, identities, config.batch_rows),
+        read_rank=partial(rank_reads.parquet_rank_rows, files, pins, config.batch_rows),
     )
 
 
@@ -357,15 +361,15 @@ def _declared_types(types: dict[str, set[pa.DataType]]) -> dict[str, pa.DataType
 
 def _parquet_rows(
     files: list[tuple[Path, str]],
-    identities: list[Identity],
+    pins: list[Pin],
     batch_rows: int,
     columns: list[str] | None,
 ) -> Iterator[Parsed]:
-    for (path, name), known in zip(files, identities, strict=True):
+    for (path, name), pin in zip(files, pins, strict=True):
         try:
             # pre_buffer (on by default) would read a whole row group's column chunks at once
             with (
-                arrow_file(path, (name, known)) as f,
+                arrow_file(path, pin) as f,
                 pq.ParquetFile(f, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False) as pf,
             ):
                 names = pf.schema_arrow.names
@@ -373,7 +377,7 @@ def _parquet_rows(
                 read = None if columns is None else [c for c in columns if c in names] or names[:1]
                 batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
                 for batch in batches:
-                    still_scanned(path, name, known)
+                    still_scanned(path, pin)
                     for values in batch.to_pylist():
                         yield project(values, columns), None
         except (pa.ArrowException, OSError) as exc:
@@ -389,12 +393,13 @@ def parquet_failure(exc: BaseException, name: str, damaged: str) -> BatchgenErro
     return BatchgenError(damaged)
 
 
-def still_scanned(path: Path, name: str, known: Identity) -> None:
+def still_scanned(path: Path, pin: Pin) -> None:
     """InputChanged when a local file read through an open file is no longer the one
-    scanned (rewritten in place while read; cheap: one stat). An object's reads are checked
-    by its store file (conditional requests over http(s))."""
+    scanned (rewritten in place while read; cheap: one stat, unless only its identity changed:
+    check_pinned). An object's reads are checked by its store file (conditional requests over
+    http(s))."""
     if not is_object(path):
-        check_unchanged(path, name, known)
+        check_pinned(path, pin)
 
 
 def _open_jsonl(files: list[tuple[Path, str]], config: InputConfig) -> InputSource:
@@ -478,15 +483,14 @@ def _sample_columns(path: Path) -> list[str]:
 class JsonlScan(NamedTuple):
     """What one pass over a JSONL file learns: its rows, its digest, and line marks: (rows
     before, lines before, byte offset) of a line start at each chunk, so a reader can seek
-    near a row and still number its lines; the SHA-256 of the bytes from each mark to the
-    next (the last: to the end), so a reader gives no row of bytes the scan did not read;
-    and the file's identity when scanned, checked at every open."""
+    near a row and still number its lines; and the SHA-256 of the bytes from each mark to the
+    next (the last: to the end), so a reader gives no row of bytes the scan did not read
+    (these digests, not the file's size, time or ETag, say whether it changed)."""
 
     rows: int
     sha256: str
     marks: list[tuple[int, int, int]]
     spans: list[str]
-    identity: Identity
 
 
 def scan_jsonl(path: Path, name: str) -> JsonlScan:
@@ -500,7 +504,7 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
     partial_blank = True  # the unterminated line read so far is whitespace only
     try:
         known = identity(path)
-        with open_pinned(path, (name, known)) as f:
+        with path.open("rb") as f:
             head = f.read(COUNT_CHUNK_BYTES)
             if head.startswith(_UTF16_BOMS):
                 raise BatchgenError(
@@ -537,10 +541,12 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
                 spans.append(span.hexdigest())
                 span = hashlib.sha256(chunk[last + 1 :])
             spans.append(span.hexdigest())
-        check_unchanged(path, name, known)  # the counts and digests are of one content
+        # the counts and digests are of one content: the file's identity is the same as before
+        # the scan, or its bytes hash as the scan's did
+        check_pinned(path, Pin(name, known, digest.hexdigest()), stores=True)
     except OSError as exc:
         raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
-    return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks, spans, known)
+    return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks, spans)
 
 
 def _is_json_document(head: bytes) -> bool:
@@ -565,11 +571,12 @@ def jsonl_lines(
 ) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line, from byte `start` on (a line
     start, with `lines` lines before it). scan: (name in messages, the file's scan; start is
-    one of its marks): InputChanged rather than any line of a file that is not the one
-    scanned. BatchgenError (one line) when reading fails midway (an object store's
-    transfer)."""
+    one of its marks): InputChanged rather than any line of bytes the scan did not read (its
+    span digests are the check: the file's size, time or ETag are not asked, nor are an
+    object's reads conditional on them). BatchgenError (one line) when reading fails midway
+    (an object store's transfer)."""
     try:
-        with open_pinned(path, None if scan is None else (scan[0], scan[1].identity)) as f:
+        with path.open("rb") as f:
             f.seek(start)
             raws = f if scan is None else _as_scanned(f, start, *scan)
             for lineno, raw in enumerate(raws, start=lines + 1):
