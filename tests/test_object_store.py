@@ -509,3 +509,40 @@ def test_a_save_to_disk_folder_on_s3_is_refused_in_one_line(
     with pytest.raises(BatchgenError, match="save_to_disk folders must be local") as caught:
         open_input(InputConfig(path=s3.url("saved/ds"), format=fmt))
     assert s3.url("saved/ds") in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("rank", [False, True])
+def test_a_parquet_object_rewritten_midway_gives_no_row_of_its_new_content(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, rank: bool
+) -> None:
+    """The object is replaced (same layout, other values) once its first batch is given; its
+    reads fetch small blocks, so later batches would come from the new object: each batch is
+    checked against the object's ETag (one HEAD) before its rows are given."""
+    from batchgen.io import InputConfig, fs, open_input
+    from batchgen.row_share import RowShare
+
+    monkeypatch.setattr(fs, "STORE_BLOCK_BYTES", 1024)
+
+    def content(tag: str) -> bytes:
+        table = pa.table(
+            {
+                "uid": [f"u{i:03d}" for i in range(64)],
+                "prompt": [f"{tag}{i:03d}" for i in range(64)],
+            }
+        )
+        sink = io.BytesIO()
+        pq.write_table(table, sink, row_group_size=16, compression="none")
+        return sink.getvalue()
+
+    key = f"midway/{rank}.parquet"
+    s3.put(key, content("A"))
+    source = open_input(InputConfig(s3.url(key), batch_rows=16))
+    source.fingerprint()
+    share = RowShare(0, 2).rows(64, set())
+    batches = source.rank_batches(["prompt"], "uid", share) if rank else source.batches()
+    got: list[str] = []
+    with pytest.raises(BatchgenError, match="changed while the job read it"):
+        for batch in batches:
+            got.extend(row.values.get("prompt") or row.values["uid"] for row in batch)
+            s3.put(key, content("B"))
+    assert got and not [value for value in got if value.startswith("B")]

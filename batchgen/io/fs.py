@@ -52,6 +52,8 @@ OUTPUT_SCHEMES = ("s3",)
 # schemes whose filesystem takes the whole URL (its query string included), not a key, and
 # whose URL names one object (never a glob or a folder: '?' starts a query)
 URL_SCHEMES = ("http", "https")
+# bytes a store file fetches a request (None: its library's own: s3fs 50 MiB, http(s) 5 MiB)
+STORE_BLOCK_BYTES: int | None = None
 SPOOL_BYTES = 64 << 20  # a whole-object write is held in memory up to this size, then on disk
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$", re.IGNORECASE)  # a scheme has no case
 
@@ -258,6 +260,13 @@ def status_line(status: int | None) -> str | None:
     return None
 
 
+def reads_are_conditional(path: AnyPath, expected: Identity) -> bool:
+    """Whether every read of the object `path` is refused once it is no longer `expected`:
+    an http(s) object's range requests, where it has an ETag or Last-Modified (ObjectPath.open
+    with a pin). Another store's object is read as it is when each block is fetched."""
+    return is_object(path) and path.scheme in URL_SCHEMES and bool(_conditions(expected))
+
+
 def _conditions(expected: Identity) -> dict[str, str]:
     """The request headers that make a server refuse (412) an object other than `expected`:
     If-Match on a strong ETag (a weak one never matches), else If-Unmodified-Since."""
@@ -461,6 +470,8 @@ class ObjectPath:
         # http(s): fsspec's default cache takes a range answered short (a correct 206 of fewer
         # bytes than asked) for the whole block; its read-ahead cache keeps what came
         options: dict[str, Any] = {"cache_type": "readahead"} if self.scheme in URL_SCHEMES else {}
+        if STORE_BLOCK_BYTES is not None:
+            options["block_size"] = STORE_BLOCK_BYTES
         if pinned is None:
             return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), str(self))
         size = dict(check_pinned(self, pinned))["size"]

@@ -34,8 +34,8 @@ from batchgen.io.fs import (
     check_pinned,
     common_folder,
     identity,
-    is_object,
     open_pinned,
+    reads_are_conditional,
     scheme_of,
     sha256_of,
 )
@@ -394,11 +394,12 @@ def parquet_failure(exc: BaseException, name: str, damaged: str) -> BatchgenErro
 
 
 def still_scanned(path: Path, pin: Pin) -> None:
-    """InputChanged when a local file read through an open file is no longer the one
-    scanned (rewritten in place while read; cheap: one stat, unless only its identity changed:
-    check_pinned). An object's reads are checked by its store file (conditional requests over
-    http(s))."""
-    if not is_object(path):
+    """InputChanged when a file read through an open file is no longer the one scanned
+    (rewritten while read), called once a batch is read and before its rows are given: a local
+    file's is one stat (unless only its identity changed: check_pinned), an object's one HEAD,
+    except where the store refuses every read of another version (http(s) range requests
+    conditional on its ETag or Last-Modified)."""
+    if not reads_are_conditional(path, pin.identity):
         check_pinned(path, pin)
 
 
