@@ -259,3 +259,15 @@ def test_a_parquet_transfer_broken_midway_is_no_damaged_file(server: str, rank: 
     message = str(caught.value)
     assert "the transfer failed: run again" in message and "\n" not in message
     assert "damaged" not in message and "replace" not in message
+
+
+def test_a_server_that_cannot_be_reached_is_one_line_that_says_so() -> None:
+    """A port nothing listens on (a server that was just closed): not 'does not exist'."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = httpd.server_address[1]
+    httpd.server_close()
+    with pytest.raises(BatchgenError) as caught:
+        open_input(InputConfig(path=f"http://127.0.0.1:{port}/plain/d.jsonl"))
+    line = str(caught.value)
+    assert f"cannot reach 127.0.0.1:{port} (" in line, line
+    assert line.endswith("check the address and run again") and "\n" not in line

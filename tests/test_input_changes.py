@@ -8,11 +8,13 @@ alone changed is hashed again and compared with the job's fingerprint."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,7 +55,7 @@ class Handler(BaseHTTPRequestHandler):
     ranges, neither ETag nor Last-Modified; /backends/<name>: as /etag/, but the answers come
     from two backends in turn, each with an ETag of its own for the same bytes. FILES: name ->
     content; AFTER_HEAD: name -> the content served after the next HEAD request for it is
-    answered; REFUSED: names answered 403 (a presigned URL expired)."""
+    answered; REFUSED: names answered 403 (a presigned URL expired); other names: 404."""
 
     protocol_version = "HTTP/1.1"
     FILES: ClassVar[dict[str, bytes]] = {}
@@ -82,7 +84,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _answer(self, head: bool) -> str:
         kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
-        data = self.FILES[name]
+        data = self.FILES.get(name)
+        if data is None:
+            self._send(404, b"", {"Content-Length": "0"}, head)
+            return name
         if name in self.REFUSED:
             self._send(403, b"expired", {"Content-Length": "7"}, head)
             return name
@@ -107,16 +112,43 @@ class Handler(BaseHTTPRequestHandler):
         return name
 
 
+class Server(ThreadingHTTPServer):
+    """A server whose close also closes the connections a client keeps open (HTTP/1.1): once
+    closed, nothing answers on its port."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.connections: set[socket.socket] = set()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def server_close(self) -> None:
+        super().server_close()
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+def serve() -> tuple[Server, str]:
+    httpd = Server()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def stop(httpd: Server) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+
+
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    httpd, url = serve()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        yield url
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        stop(httpd)
         Handler.FILES.clear()
         Handler.AFTER_HEAD.clear()
         Handler.REFUSED.clear()
@@ -331,3 +363,32 @@ def test_a_url_refused_after_the_scan_is_no_change(server: str, kind: str) -> No
     Handler.REFUSED.add(f"d.{kind}")
     with pytest.raises(BatchgenError, match=r"refused access \(HTTP 403\): the URL may have"):
         list(source.batches())
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_server_gone_after_the_scan_is_a_failed_transfer_not_a_change(
+    kind: str, rank: bool
+) -> None:
+    """Its port closed (the connection refused): run again, not "changed"."""
+    httpd, url = serve()
+    try:
+        Handler.FILES[f"d.{kind}"] = MAKE[kind]("A")
+        source = open_input(InputConfig(f"{url}/etag/d.{kind}", batch_rows=4))
+    finally:
+        stop(httpd)
+        Handler.FILES.clear()
+    with pytest.raises(BatchgenError) as caught:
+        read_all(source, rank)
+    line = str(caught.value)
+    assert "the transfer failed: run again" in line and "changed" not in line, line
+    assert "\n" not in line
+
+
+def test_a_parquet_url_deleted_after_the_scan_is_gone(server: str) -> None:
+    """Its server answers 404: the input changed (it is gone)."""
+    Handler.FILES["d.parquet"] = parquet("A")
+    source = open_input(InputConfig(f"{server}/etag/d.parquet", batch_rows=4))
+    del Handler.FILES["d.parquet"]
+    with pytest.raises(BatchgenError, match=r"changed while the job read it \(it is gone"):
+        read_all(source, rank=False)

@@ -170,7 +170,8 @@ def identity(path: AnyPath) -> Identity:
 
 def check_unchanged(path: AnyPath, name: str, expected: Identity) -> Identity:
     """InputChanged unless `path` still is the file `expected` was taken of -> its identity
-    now (an object's holds its size: an open need not ask again)."""
+    now (an object's holds its size: an open need not ask again). "It is gone" only where the
+    disk or the store says so (404, 410); a store that cannot be reached is a StoreFailure."""
     try:
         now = identity(path)
     except FileNotFoundError as exc:
@@ -247,6 +248,24 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+def unreached(exc: BaseException) -> BaseException | None:
+    """What failed under a 'not found' no server said (fsspec's http turns any failed HEAD or
+    GET into FileNotFoundError: a refused connection, a name that does not resolve, a timeout)
+    -> that error; None for a file the disk or a store says is not there (a 404, s3fs's
+    missing key or bucket)."""
+    if not isinstance(exc, FileNotFoundError) or http_status(exc) is not None:
+        return None
+    cause = exc.__cause__ or exc.__context__
+    transport = isinstance(cause, (OSError, TimeoutError)) or _library(cause) == "aiohttp"
+    return cause if transport else None
+
+
+def reason_of(exc: BaseException) -> str:
+    """An error's type and the first line of its text (cut to 200 characters)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
 def status_line(status: int | None) -> str | None:
     """What an HTTP status that refuses a read means, and what to do; None for none, and for
     a file not found (404, 410: the caller says so in its own words)."""
@@ -305,17 +324,22 @@ def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except Exception as exc:  # the library's own (network) errors
         if (line := status_line(http_status(exc))) is not None:
             raise StoreFailure(line) from exc  # fsspec's FileNotFoundError for a refused HEAD
+        if (cause := unreached(exc)) is not None:  # no server said "not found"
+            raise StoreFailure(f"{reason_of(cause)}; the transfer failed: run again") from exc
         if isinstance(exc, StoreFailure) or not _from_store_library(exc):
             raise
-        lines = str(exc).strip().splitlines()
-        reason = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-        raise StoreFailure(f"{reason}; the transfer failed: run again") from exc
+        raise StoreFailure(f"{reason_of(exc)}; the transfer failed: run again") from exc
 
 
 def _from_store_library(exc: BaseException) -> bool:
     """Whether a store library raised `exc` as its own type (aiohttp's connection errors are
     OSErrors too; a plain FileNotFoundError is no transfer's failure)."""
-    return type(exc).__module__.split(".")[0] in _STORE_LIBRARIES
+    return _library(exc) in _STORE_LIBRARIES
+
+
+def _library(exc: BaseException | None) -> str:
+    """The top-level module an error's type is defined in."""
+    return type(exc).__module__.split(".")[0]
 
 
 _STORE_LIBRARIES = {"aiohttp", "asyncio", "fsspec", "s3fs", "gcsfs", "adlfs", "botocore"}

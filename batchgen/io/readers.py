@@ -584,6 +584,8 @@ def jsonl_lines(
                 line = _line_text(raw, lineno == 1)
                 if _is_row_line(line):
                     yield lineno, line
+    except StoreFailure as exc:  # its own line says what to do
+        raise BatchgenError(f"reading {str(path)!r} failed: {exc}") from exc
     except OSError as exc:
         raise BatchgenError(
             f"reading {str(path)!r} failed ({_reason(exc)}): run again; committed rows are kept"

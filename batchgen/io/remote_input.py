@@ -6,6 +6,7 @@ URL's), and a web server lists no folders."""
 from __future__ import annotations
 
 import glob
+from urllib.parse import urlsplit
 
 from batchgen.errors import BatchgenError
 from batchgen.io.fs import (
@@ -13,8 +14,10 @@ from batchgen.io.fs import (
     ObjectPath,
     as_path,
     http_status,
+    reason_of,
     status_line,
     store_error,
+    unreached,
 )
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
@@ -83,10 +86,17 @@ def _check_ranges(path: ObjectPath, raw: str) -> None:
 def _kind(path: ObjectPath, raw: str) -> str | None:
     """ "file", "directory", or None when nothing is there; the store's errors (access refused)
     propagate, where `is_file` would hide them. A web server's refusal (fsspec raises
-    FileNotFoundError for every status) is one line by its status."""
+    FileNotFoundError for every status, and for a server it cannot reach) is one line by its
+    status, or says the server could not be reached."""
     try:
         return path.info()["type"]
     except FileNotFoundError as exc:
         if (line := status_line(http_status(exc))) is not None:
             raise BatchgenError(f"input {raw!r}: {line}") from exc
+        if (cause := unreached(exc)) is not None:
+            host = urlsplit(str(path)).netloc.rpartition("@")[2]
+            raise BatchgenError(
+                f"input {raw!r}: cannot reach {host} ({reason_of(cause)}): check the address "
+                "and run again"
+            ) from exc
         return None
