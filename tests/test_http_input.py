@@ -271,3 +271,25 @@ def test_a_server_that_cannot_be_reached_is_one_line_that_says_so() -> None:
     line = str(caught.value)
     assert f"cannot reach 127.0.0.1:{port} (" in line, line
     assert line.endswith("check the address and run again") and "\n" not in line
+
+
+@pytest.mark.parametrize("where", ["plain", "norange"])
+@pytest.mark.parametrize("content", [b"", b"\n"])
+def test_an_empty_jsonl_url_is_read_as_an_empty_local_file(
+    server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, content: bytes
+) -> None:
+    """Under two bytes: nothing to read by range (not checked), no rows, as a local one."""
+    monkeypatch.setitem(FILES, "empty.jsonl", content)
+    source = open_input(InputConfig(path=f"{server}/{where}/empty.jsonl"))
+    (tmp_path / "empty.jsonl").write_bytes(content)
+    local = open_input(InputConfig(path=str(tmp_path / "empty.jsonl")))
+    assert source.num_rows == local.num_rows == 0
+    assert list(source.batches()) == list(local.batches()) == []
+
+
+def test_an_empty_parquet_url_is_refused_as_an_empty_local_file(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(FILES, "empty.parquet", b"")
+    with pytest.raises(BatchgenError, match=r"Parquet file size is 0 bytes\): replace or remove"):
+        open_input(InputConfig(path=f"{server}/plain/empty.parquet"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -499,6 +500,8 @@ class ObjectPath:
         if pinned is None:
             return StoreFile(_store_call(self.fs.open, self.fs_path, "rb", **options), str(self))
         size = dict(check_pinned(self, pinned))["size"]
+        if size == 0:  # nothing to read (fsspec's http opens a stream that cannot seek)
+            return StoreFile(io.BytesIO(), pinned.name)
         if size is not None:
             options["size"] = size
         if self.scheme in URL_SCHEMES and (headers := _conditions(pinned.identity)):

@@ -6,6 +6,7 @@ URL's), and a web server lists no folders."""
 from __future__ import annotations
 
 import glob
+from typing import Any
 from urllib.parse import urlsplit
 
 from batchgen.errors import BatchgenError
@@ -66,9 +67,14 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
 
 
 def _one_object(path: ObjectPath, raw: str) -> list[tuple[ObjectPath, str]]:
-    if _kind(path, raw) is None:
+    """An http(s) URL's object; its server's byte ranges are checked unless it holds under two
+    bytes (nothing to read by range: an empty file is read as a local one is)."""
+    info = _info(path, raw)
+    if info is None:
         raise BatchgenError(f"input {raw!r} does not exist: check the URL")
-    _check_ranges(path, raw)
+    size = info.get("size")
+    if size is None or size >= 2:
+        _check_ranges(path, raw)
     return [(path, raw)]
 
 
@@ -84,12 +90,19 @@ def _check_ranges(path: ObjectPath, raw: str) -> None:
 
 
 def _kind(path: ObjectPath, raw: str) -> str | None:
-    """ "file", "directory", or None when nothing is there; the store's errors (access refused)
-    propagate, where `is_file` would hide them. A web server's refusal (fsspec raises
-    FileNotFoundError for every status, and for a server it cannot reach) is one line by its
-    status, or says the server could not be reached."""
+    """ "file", "directory", or None when nothing is there (_info)."""
+    info = _info(path, raw)
+    return None if info is None else info["type"]
+
+
+def _info(path: ObjectPath, raw: str) -> dict[str, Any] | None:
+    """What the store tells of `path` (its "type": "file" or "directory", its "size"), or None
+    when nothing is there; the store's errors (access refused) propagate, where `is_file`
+    would hide them. A web server's refusal (fsspec raises FileNotFoundError for every
+    status, and for a server it cannot reach) is one line by its status, or says the server
+    could not be reached."""
     try:
-        return path.info()["type"]
+        return path.info()
     except FileNotFoundError as exc:
         if (line := status_line(http_status(exc))) is not None:
             raise BatchgenError(f"input {raw!r}: {line}") from exc
