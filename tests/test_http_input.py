@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -293,3 +294,54 @@ def test_an_empty_parquet_url_is_refused_as_an_empty_local_file(
     monkeypatch.setitem(FILES, "empty.parquet", b"")
     with pytest.raises(BatchgenError, match=r"Parquet file size is 0 bytes\): replace or remove"):
         open_input(InputConfig(path=f"{server}/plain/empty.parquet"))
+
+
+def lines_with_errors(rows: int) -> bytes:
+    """JSON Lines with a blank line, a malformed line and a line without its end."""
+    lines = [json.dumps({"uid": f"u{i}", "prompt": f"p{i} " * 8}) for i in range(rows)]
+    lines[rows // 3] = "{not json"
+    lines[rows // 2] = "   "
+    return ("\n".join(lines)).encode()
+
+
+def read_counting(url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
+    """(rows and errors of every row, of a rank's rows; the bytes its store files gave)."""
+    import fsspec.spec
+
+    from batchgen.io import readers
+    from batchgen.row_share import RowShare
+
+    given = [0]
+    read = fsspec.spec.AbstractBufferedFile.read
+
+    def counted(self: object, length: int = -1) -> bytes:
+        data = read(self, length)
+        given[0] += len(data)
+        return data
+
+    monkeypatch.setattr(readers, "COUNT_CHUNK_BYTES", 4096)  # many line marks and spans
+    monkeypatch.setattr(fsspec.spec.AbstractBufferedFile, "read", counted)
+    source = open_input(InputConfig(path=url, batch_rows=64))
+    share = RowShare(1, 3).rows(source.num_rows, set())
+
+    def seen(batches: Iterator[list[Any]]) -> list[tuple[int, Any, str | None]]:
+        # an error names the file as given: the line number and reason are compared
+        return [(r.index, r.values, r.error and r.error[len(url) :]) for b in batches for r in b]
+
+    return seen(source.batches()), seen(source.rank_batches(None, None, share)), given[0]
+
+
+def test_a_long_jsonl_url_is_read_at_a_cost_per_line_that_does_not_grow(
+    server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its lines are read through a buffer: the bytes its store file gives are a few times
+    the file's (the scan, the read, a rank's read), not a block per line; rows, line numbers
+    and errors are the local file's."""
+    data = lines_with_errors(3000)
+    monkeypatch.setitem(FILES, "long.jsonl", data)
+    rows, ranked, given = read_counting(f"{server}/plain/long.jsonl", monkeypatch)
+    (tmp_path / "long.jsonl").write_bytes(data)
+    local_rows, local_ranked, _ = read_counting(str(tmp_path / "long.jsonl"), monkeypatch)
+    assert rows == local_rows and ranked == local_ranked and len(rows) == 2999
+    assert any("line 1001: malformed JSON" in (error or "") for _, _, error in rows)
+    assert given < 4 * len(data), given

@@ -546,3 +546,19 @@ def test_a_parquet_object_rewritten_midway_gives_no_row_of_its_new_content(
             got.extend(row.values.get("prompt") or row.values["uid"] for row in batch)
             s3.put(key, content("B"))
     assert got and not [value for value in got if value.startswith("B")]
+
+
+def test_a_long_jsonl_object_is_read_at_a_cost_per_line_that_does_not_grow(
+    s3: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As over http(s): the bytes its store file gives are a few times the file's, not a
+    block per line; rows, line numbers and errors are the local file's."""
+    from tests.test_http_input import lines_with_errors, read_counting
+
+    data = lines_with_errors(3000)
+    s3.put("long/d.jsonl", data)
+    rows, ranked, given = read_counting(s3.url("long/d.jsonl"), monkeypatch)
+    (tmp_path / "d.jsonl").write_bytes(data)
+    local_rows, local_ranked, _ = read_counting(str(tmp_path / "d.jsonl"), monkeypatch)
+    assert rows == local_rows and ranked == local_ranked and len(rows) == 2999
+    assert given < 4 * len(data), given

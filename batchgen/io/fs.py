@@ -55,6 +55,8 @@ OUTPUT_SCHEMES = ("s3",)
 URL_SCHEMES = ("http", "https")
 # bytes a store file fetches a request (None: its library's own: s3fs 50 MiB, http(s) 5 MiB)
 STORE_BLOCK_BYTES: int | None = None
+LINES_BUFFER_BYTES = 1 << 20  # a store file's lines are read through a buffer of this size
+LINE_READ_BYTES = 1 << 16  # StoreFile.readline reads this much at a time
 SPOOL_BYTES = 64 << 20  # a whole-object write is held in memory up to this size, then on disk
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$", re.IGNORECASE)  # a scheme has no case
 
@@ -383,7 +385,9 @@ class StoreFile:
         return len(data)
 
     def readline(self) -> bytes:
-        return self._call(self._f.readline)
+        """One line (a read of up to LINE_READ_BYTES at a time: fsspec's own readline reads a
+        whole block, megabytes, for each line)."""
+        return self._call(self._f.readuntil, b"\n", LINE_READ_BYTES)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         return self._call(self._f.seek, offset, whence)
@@ -395,8 +399,9 @@ class StoreFile:
         return getattr(self._f, name)
 
     def __iter__(self) -> Iterator[bytes]:
-        while line := self.readline():
-            yield line
+        """Its lines from where it is on, through a buffer of LINES_BUFFER_BYTES (each line's
+        cost is the same however long the file); the file's position is then past them."""
+        yield from io.BufferedReader(_RawStoreFile(self), LINES_BUFFER_BYTES)
 
     def close(self) -> None:
         self._f.close()
@@ -406,6 +411,20 @@ class StoreFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _RawStoreFile(io.RawIOBase):
+    """A StoreFile as the raw file under an io.BufferedReader (its close leaves it open)."""
+
+    def __init__(self, f: StoreFile) -> None:
+        super().__init__()
+        self._f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._f.readinto(buffer)
 
 
 class ObjectPath:
