@@ -6,6 +6,7 @@ import functools
 import json
 import random
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,30 @@ def run_checked(engine: Any, prompts: list[list[int]], params: Any) -> Outputs:
     engine.blocks.check_released()
     assert engine.blocks.num_free_blocks == engine.num_blocks
     return outs
+
+
+class LoopbackHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler for the tests' loopback servers: HEAD and GET go to the
+    subclass's `_answer(head)`, which answers through `_send`."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def _answer(self, head: bool) -> Any:
+        raise NotImplementedError
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)

@@ -9,7 +9,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 
 from batchgen import BatchgenError
 from batchgen.io.readers import InputConfig, open_input
+from tests.helpers import LoopbackHandler
 
 pytest.importorskip("aiohttp")
 
@@ -48,32 +49,13 @@ CAP = 4096
 FILES = {"d.jsonl": JSONL.encode(), "d.parquet": _parquet(), "big.parquet": _big_parquet()}
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(LoopbackHandler):
     """/plain/<name>: with Range; /gzip/<name>: Content-Encoding gzip; /short/<name>: half
     the body its Content-Length announces; /norange/<name>: the whole file whatever the Range
     (as `python -m http.server`); /probe/<name>: a one-byte range alone answered as asked;
     /e<status>/<name>: that status to every request; /get<status>/<name>: to a GET alone;
     /cap/<name>: a range answered with CAP bytes at most (206, a correct Content-Range);
     /breakmid/<name>: a range from byte 1 to 64 KiB before the end broken off midway."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(head=True)
-
-    def do_GET(self) -> None:
-        self._answer(head=False)
-
-    def _send(self, code: int, body: bytes, headers: dict[str, str], head: bool) -> None:
-        self.send_response(code)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
 
     def _answer(self, head: bool) -> None:
         kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")

@@ -17,7 +17,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,6 +29,7 @@ from batchgen import BatchgenError
 from batchgen.io import readers
 from batchgen.io.readers import InputConfig, open_input
 from batchgen.row_share import RowShare
+from tests.helpers import LoopbackHandler
 
 ROWS = 20
 
@@ -50,37 +51,22 @@ def parquet(tag: str, rows: int = ROWS) -> bytes:
 MAKE = {"jsonl": jsonl, "parquet": parquet}
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(LoopbackHandler):
     """/etag/<name>: byte ranges, a strong ETag, If-Match honoured (412); /bare/<name>: byte
     ranges, neither ETag nor Last-Modified; /backends/<name>: as /etag/, but the answers come
     from two backends in turn, each with an ETag of its own for the same bytes. FILES: name ->
     content; AFTER_HEAD: name -> the content served after the next HEAD request for it is
     answered; REFUSED: names answered 403 (a presigned URL expired); other names: 404."""
 
-    protocol_version = "HTTP/1.1"
     FILES: ClassVar[dict[str, bytes]] = {}
     AFTER_HEAD: ClassVar[dict[str, bytes]] = {}
     REFUSED: ClassVar[set[str]] = set()
     answered: ClassVar[int] = 0  # answers so far (which backend answers next)
 
-    def log_message(self, *args: object) -> None:
-        pass
-
     def do_HEAD(self) -> None:
         name = self._answer(head=True)
         if name in self.AFTER_HEAD:
             self.FILES[name] = self.AFTER_HEAD.pop(name)
-
-    def do_GET(self) -> None:
-        self._answer(head=False)
-
-    def _send(self, code: int, body: bytes, headers: dict[str, str], head: bool) -> None:
-        self.send_response(code)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
 
     def _answer(self, head: bool) -> str:
         kind, _, name = self.path.split("?")[0].lstrip("/").partition("/")
