@@ -372,8 +372,10 @@ def test_ranks_started_with_different_world_sizes_stop_with_one_line(job, tmp_pa
 
 @pytest.mark.slow
 def test_a_network_interface_that_is_not_there_is_one_line_on_every_rank(job, tmp_path, started):
-    """GLOO_SOCKET_IFNAME naming no interface of this machine: each rank of `--gpus 2` says
-    that it could not set up the process group and what to check (exit 2, not a bug)."""
+    """GLOO_SOCKET_IFNAME naming no interface of this machine: rank 0 of `--gpus 2` says that
+    it could not set up the process group and what to check (exit 2, not a bug); rank 1 says
+    the same, or, where rank 0 stopped first (taking the store it hosts), that rank 0 stopped
+    and its lines say why."""
     out = tmp_path / "out"
     cmd = [*command(job, out), "--gpus", "2"]
     launcher = start(started, cmd, **env(GLOO_SOCKET_IFNAME="no-such-interface0"))
@@ -381,9 +383,14 @@ def test_a_network_interface_that_is_not_there_is_one_line_on_every_rank(job, tm
     assert launcher.returncode == 2, stderr
     lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
     assert len(lines) == 2, stderr
-    for line in lines:
-        assert "could not set up the process group with the other ranks" in line
+    setup = [line for line in lines if "could not set up the process group" in line]
+    assert setup, stderr
+    for line in setup:
+        assert "with the other ranks" in line
         assert "GLOO_SOCKET_IFNAME" in line and "WORLD_SIZE" in line
+    for line in set(lines) - set(setup):  # rank 1, once rank 0 had stopped
+        assert line.startswith("batchgen: error: rank 1 lost the store at "), stderr
+        assert line.endswith("the rank that hosts it (rank 0) stopped; its lines say why")
 
 
 @pytest.mark.slow
