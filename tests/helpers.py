@@ -233,3 +233,11 @@ class LoopbackHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.wfile.write(body)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits: [S, V] with the tokens the sampler's bitmask (token_bitmask_allowed) forbids
+    at -inf, as the sampler masks them."""
+    from batchgen.engine.sampler import token_bitmask_allowed
+
+    return logits.masked_fill(~token_bitmask_allowed(mask, logits.shape[-1]), float("-inf"))

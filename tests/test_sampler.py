@@ -9,14 +9,13 @@ from batchgen import Engine, EngineConfig, Prompt, SamplingParams
 from batchgen.engine.sampler import (
     PenaltyState,
     Sampler,
-    apply_token_bitmask,
     gumbel_noise,
     hash_u32,
     row_keys,
 )
 from batchgen.engine.step_inputs import SamplingFlags
 from batchgen.engine.step_layout import SamplingInputs
-from tests.helpers import random_prompts
+from tests.helpers import apply_token_bitmask, random_prompts
 
 DRAWS = 200_000
 TV_BOUND = 0.01  # total variation between 200k draws and the float64 distribution

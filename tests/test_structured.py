@@ -28,11 +28,10 @@ from batchgen.engine.grammar import (
 )
 from batchgen.engine.output_check import output_problem
 from batchgen.engine.request import Prompt
-from batchgen.engine.sampler import apply_token_bitmask
 from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.job import run_job
 from batchgen.token_bytes import TokenBytes
-from tests.helpers import hf_model
+from tests.helpers import apply_token_bitmask, hf_model
 from tests.test_job import read_rows, spec_for, write_jsonl
 
 jsonschema = pytest.importorskip("jsonschema")

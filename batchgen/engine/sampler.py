@@ -170,12 +170,6 @@ def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return (logits - top) / temperature.float().clamp(min=finfo.tiny)[:, None]
 
 
-def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits: [S, V]; mask: [S, W >= V / 32] int32 (see token_bitmask_allowed)
-    -> logits with disallowed tokens at -inf."""
-    return logits.masked_fill(~token_bitmask_allowed(mask, logits.shape[-1]), float("-inf"))
-
-
 def token_bitmask_allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """mask: [S, W >= V / 32] int32, bit t of word w allows token 32 * w + t -> [S, V] bool.
     Device ops only: read as bytes (little-endian: bit k of byte b is token 8 * b + k), so the
