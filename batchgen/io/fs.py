@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, NamedTuple
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, first_line
 
 # scheme -> the pip package whose fsspec filesystem serves it
 SCHEME_PACKAGES = {
@@ -263,12 +263,6 @@ def unreached(exc: BaseException) -> BaseException | None:
     return cause if transport else None
 
 
-def reason_of(exc: BaseException) -> str:
-    """An error's type and the first line of its text (cut to 200 characters)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-
-
 def status_line(status: int | None) -> str | None:
     """What an HTTP status that refuses a read means, and what to do; None for none, and for
     a file not found (404, 410: the caller says so in its own words)."""
@@ -328,10 +322,10 @@ def _store_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if (line := status_line(http_status(exc))) is not None:
             raise StoreFailure(line) from exc  # fsspec's FileNotFoundError for a refused HEAD
         if (cause := unreached(exc)) is not None:  # no server said "not found"
-            raise StoreFailure(f"{reason_of(cause)}; the transfer failed: run again") from exc
+            raise StoreFailure(f"{first_line(cause)}; the transfer failed: run again") from exc
         if isinstance(exc, StoreFailure) or not _from_store_library(exc):
             raise
-        raise StoreFailure(f"{reason_of(exc)}; the transfer failed: run again") from exc
+        raise StoreFailure(f"{first_line(exc)}; the transfer failed: run again") from exc
 
 
 def _from_store_library(exc: BaseException) -> bool:

@@ -9,13 +9,12 @@ import glob
 from typing import Any
 from urllib.parse import urlsplit
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, first_line
 from batchgen.io.fs import (
     URL_SCHEMES,
     ObjectPath,
     as_path,
     http_status,
-    reason_of,
     status_line,
     store_error,
     unreached,
@@ -109,7 +108,7 @@ def _info(path: ObjectPath, raw: str) -> dict[str, Any] | None:
         if (cause := unreached(exc)) is not None:
             host = urlsplit(str(path)).netloc.rpartition("@")[2]
             raise BatchgenError(
-                f"input {raw!r}: cannot reach {host} ({reason_of(cause)}): check the address "
+                f"input {raw!r}: cannot reach {host} ({first_line(cause)}): check the address "
                 "and run again"
             ) from exc
         return None

@@ -32,7 +32,7 @@ from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, first_line
 
 if TYPE_CHECKING:  # the command line starts a server before torch is imported
     from batchgen.engine.call_inputs import CallIds
@@ -177,10 +177,9 @@ class EngineServer:
         except (EOFError, OSError):
             pass
         except Exception as exc:
-            why = str(exc).strip().splitlines()
             self.unreadable = (
-                f"cannot read an answer from the engine process ({type(exc).__name__}: "
-                f"{why[0] if why else ''}), so it was stopped: start a new one"
+                f"cannot read an answer from the engine process ({first_line(exc)}), so it was "
+                "stopped: start a new one"
             )
             self.process.kill()
         self.inbox.put(("eof",))

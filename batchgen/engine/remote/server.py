@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from batchgen.engine.remote.placement import pin_process
 from batchgen.engine.remote.protocol import receive, send, unpack_prompt
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, first_line
 from batchgen.process_start import heavy_imports, prepare_imports
 from batchgen.summary import process_age_s
 
@@ -387,11 +387,9 @@ def _unreadable(answers: IO[bytes], exc: Exception) -> None:
     """A message from the job's process that cannot be read here (an object of a type only
     that process can import): what it asked for is lost, so the call it belonged to cannot
     go on. Say why as an internal error, and exit."""
-    why = str(exc).strip().splitlines()
     error = RuntimeError(
-        f"cannot read a message from the job's process ({type(exc).__name__}: "
-        f"{why[0] if why else ''}): pass prompts and sampling overrides as plain values "
-        "(str, int, float, list, dict)"
+        f"cannot read a message from the job's process ({first_line(exc)}): pass prompts and "
+        "sampling overrides as plain values (str, int, float, list, dict)"
     )
     error.__cause__ = exc  # its traceback too
     _report(answers, error)
