@@ -57,6 +57,35 @@ def test_changed_input_content_is_refused(job, tmp_path: Path) -> None:
     assert forced.complete and forced.summary.run_rows_ok == 0
 
 
+def test_the_input_change_names_the_file_added_gone_or_edited() -> None:
+    """Files are compared by name first: one added before the others, or one removed, is
+    named as such, not as the file that now sits in its place in read order."""
+    from batchgen.io.checkpoint import describe_input_change
+
+    def files(*entries: tuple[str, int, str]) -> dict:
+        return {
+            "kind": "files",
+            "files": [dict(zip(("name", "size", "sha256"), e, strict=True)) for e in entries],
+        }
+
+    b, c = ("b.jsonl", 3040, "bb"), ("c.jsonl", 1545, "cc")
+    assert describe_input_change(files(b, c), files(("a.jsonl", 10, "aa"), b, c)) == (
+        "1 file(s) added: 'a.jsonl'"
+    )
+    assert describe_input_change(files(b, c), files(c)) == "1 file(s) gone: 'b.jsonl'"
+    assert describe_input_change(files(b, c), files(("a.jsonl", 10, "aa"), c)) == (
+        "1 file(s) added: 'a.jsonl'; 1 file(s) gone: 'b.jsonl'"
+    )
+    edited = ("c.jsonl", 1545, "c2")
+    assert describe_input_change(files(b, c), files(("a.jsonl", 1, "a"), b, edited)) == (
+        "'c.jsonl': same size, other content"
+    )
+    renamed = ("x.jsonl", 3041, "b2"), ("y.jsonl", 1545, "cc")  # and one of them edited
+    assert describe_input_change(files(b, c), files(*renamed)) == (
+        "2 file(s) added: 'x.jsonl' ...; 2 file(s) gone: 'b.jsonl' ..."
+    )
+
+
 def test_a_row_inserted_at_the_top_is_refused(job, tmp_path: Path) -> None:
     assert job().complete
     write_jsonl(tmp_path / "in.jsonl", [{"uid": "new", "prompt": "first!"}, *jsonl_rows(PROMPTS)])
@@ -182,6 +211,29 @@ def test_a_model_with_one_weight_edited_is_refused(job, tmp_path: Path) -> None:
         job(model=model)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    ["split_special_tokens", "clean_up_tokenization_spaces", "bos_and_pad_swapped"],
+)
+def test_a_tokenizer_setting_edited_in_the_model_folder_is_refused(
+    job, tmp_path: Path, edit: str
+) -> None:
+    """Settings in tokenizer_config.json that change a prompt's ids or an output's text (special
+    tokens' text split into pieces, spaces before punctuation dropped, another token rendered
+    for {{ bos_token }}) make another model: a resume would mix rows of both."""
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    assert job(model=model).complete
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if edit == "bos_and_pad_swapped":
+        config["bos_token"], config["pad_token"] = config["pad_token"], config["bos_token"]
+    else:
+        config[edit] = True
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(BatchgenError, match=r"the model changed \(tokenizer_settings differ\)"):
+        job(model=model)
+
+
 def test_a_model_fingerprint_from_an_older_batchgen_asks_for_force_resume(
     job, tmp_path: Path
 ) -> None:
@@ -190,8 +242,10 @@ def test_a_model_fingerprint_from_an_older_batchgen_asks_for_force_resume(
     data = json.loads(manifest.read_text())
     model = data["identity"]["model"]
     model["weights"] = model.pop("weights_checksum")[:16]  # as an older batchgen recorded it
+    del model["tokenizer_settings"]  # which older ones did not record
     manifest.write_text(json.dumps(data))
-    with pytest.raises(BatchgenError, match=r"recorded by an older batchgen.*--force-resume"):
+    match = r"recorded by an older batchgen.*tokenizer_settings and weights_checksum.*--force"
+    with pytest.raises(BatchgenError, match=match):
         job()
     assert job(force_resume=True).complete
     assert job().complete  # the manifest now holds this batchgen's fingerprint

@@ -2,7 +2,8 @@
 
 Config (without bookkeeping keys), a checksum of every element of every weight tensor (in the
 loaded dtype, computed where the weights are), the tokenizer (vocabulary, normalization, special
-tokens, chat template) and the end-of-sequence ids. Two loads of the same checkpoint agree, on
+tokens and which part each plays, the flags that change encoding or decoding, chat template) and
+the end-of-sequence ids. Two loads of the same checkpoint agree, on
 any device; a retrained or edited checkpoint (a single element changed), another tokenizer or
 chat template does not. A model with adapter layers (peft's LoRA and other tuners) adds their
 state (which adapters are active, disabled, merged, their scales); a caller's model adds its
@@ -35,6 +36,7 @@ def model_fingerprint(
         "config": _digest(json.dumps(_clean(model.config.to_dict()), sort_keys=True, default=str)),
         "weights_checksum": _weights_digest(model),
         "tokenizer": _tokenizer_digest(tokenizer),
+        "tokenizer_settings": _tokenizer_settings_digest(tokenizer),
         "eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids)),
     }
     adapters = adapter_state(model)
@@ -183,6 +185,33 @@ def _tokenizer_digest(tokenizer: Any) -> str:
         "eos": getattr(tokenizer, "add_eos_token", None),
     }
     return _digest(body + json.dumps(extra, sort_keys=True, default=str))
+
+
+# tokenizer attributes that change the ids of a text or the text of ids, beside its backend's
+# own description: a flag is recorded only where it is set, so a transformers that lacks it
+# records the same as one where it is off
+TOKENIZER_FLAGS = (
+    "split_special_tokens",  # special tokens' text encoded as plain text
+    "clean_up_tokenization_spaces",  # spaces before punctuation dropped when decoding
+    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+    "add_prefix_space",
+    "do_lower_case",
+)
+
+
+def _tokenizer_settings_digest(tokenizer: Any) -> str:
+    """Which token plays which part (BOS, EOS, PAD, UNK, extra special tokens: a chat template's
+    {{ bos_token }} renders the BOS's text) and the flags that change encoding or decoding."""
+    if tokenizer is None:
+        return "none"
+    roles = {
+        role: value if isinstance(value, str) else [str(v) for v in value]
+        for role, value in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+        if value
+    }
+    flags = {name: getattr(tokenizer, name, None) for name in TOKENIZER_FLAGS}
+    flags = {name: value for name, value in flags.items() if value not in (None, False)}
+    return _digest(json.dumps({"roles": roles, "flags": flags}, sort_keys=True, default=str))
 
 
 def _digest(text: str) -> str:

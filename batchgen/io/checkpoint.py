@@ -86,16 +86,26 @@ def describe_input_change(old: dict[str, Any] | None, new: dict[str, Any] | None
     if old["kind"] != "files":
         return "its fingerprint differs"
     a, b = old["files"], new["files"]
-    for x, y in zip(a, b, strict=False):
-        if x["sha256"] != y["sha256"]:
-            if x["size"] != y["size"]:
-                return f"{y['name']!r}: {x['size']:,} -> {y['size']:,} bytes"
-            return f"{y['name']!r}: same size, other content"
-    if len(a) != len(b):
-        names = [f["name"] for f in (b[len(a) :] if len(b) > len(a) else a[len(b) :])]
-        verb = "added" if len(b) > len(a) else "gone"
-        return f"{len(names)} file(s) {verb}: {names[0]!r}{' ...' if len(names) > 1 else ''}"
+    before, after = {f["name"]: f for f in a}, {f["name"]: f for f in b}
+    for name, y in after.items():  # a file under its earlier name, with other bytes
+        x = before.get(name)
+        if x is not None and x["sha256"] != y["sha256"]:
+            return _file_change(name, x, y)
+    added = [f["name"] for f in b if f["name"] not in before]
+    gone = [f["name"] for f in a if f["name"] not in after]
+    if added or gone:
+        return "; ".join(
+            f"{len(names)} file(s) {verb}: {names[0]!r}{' ...' if len(names) > 1 else ''}"
+            for verb, names in (("added", added), ("gone", gone))
+            if names
+        )
     return "its fingerprint differs"
+
+
+def _file_change(name: str, x: dict[str, Any], y: dict[str, Any]) -> str:
+    if x["size"] != y["size"]:
+        return f"{name!r}: {x['size']:,} -> {y['size']:,} bytes"
+    return f"{name!r}: same size, other content"
 
 
 def _older_fingerprint(old: Any, new: Any) -> bool:
