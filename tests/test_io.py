@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -213,6 +214,31 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
         open_input(InputConfig(str(tmp_path / "dict"), split="validation"))
     message = one_line_error(excinfo)
     assert "'validation'" in message and "train" in message and "test" in message
+
+
+def test_a_split_named_for_an_input_without_splits_is_refused(tmp_path: Path) -> None:
+    """input.split names a split of a DatasetDict folder or a hub dataset; on files, a folder
+    holding one saved dataset or an OpenAI batch file it would be ignored (every row read as
+    if it were that split's): one line instead. The default split reads them as before."""
+    from batchgen.formats.openai_batch.reader import open_batch_file
+
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n')
+    write_parquet(tmp_path / "rows.parquet", 0, 2)
+    inputs = [(jsonl, open_input), (tmp_path / "rows.parquet", open_input)]
+    inputs.append((jsonl, open_batch_file))
+    if importlib.util.find_spec("datasets") is not None:  # a folder of one saved dataset
+        import datasets
+
+        datasets.Dataset.from_dict({"prompt": ["x"]}).save_to_disk(str(tmp_path / "single"))
+        inputs.append((tmp_path / "single", open_input))
+    for path, opener in inputs:
+        with pytest.raises(BatchgenError) as excinfo:
+            opener(InputConfig(str(path), split="test"))
+        message = one_line_error(excinfo)
+        assert message.startswith("input.split = 'test', but ") and "no splits" in message
+        assert message.endswith("remove input.split")
+        assert opener(InputConfig(str(path))).num_rows is not None
 
 
 @pytest.mark.parametrize("fmt", ["numpy", "torch", "pandas"])

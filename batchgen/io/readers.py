@@ -83,7 +83,9 @@ class InputConfig:
 
     path: str  # a file, a glob, a folder of files, a save_to_disk folder, or a hub dataset name
     format: str = "auto"  # auto | parquet | jsonl | arrow (save_to_disk) | hub | openai-batch
-    split: str = "train"  # for save_to_disk DatasetDict folders and hub datasets
+    # for save_to_disk DatasetDict folders and hub datasets; another name on an input without
+    # splits is refused, never ignored
+    split: str = "train"
     batch_rows: int = 1024  # rows per record batch
 
     def __post_init__(self) -> None:
@@ -166,8 +168,20 @@ def open_input(config: InputConfig) -> InputSource:
     files = find_files(config)
     if files is None:  # not a local path, but shaped like a hub dataset name
         return _open_hub(config)
+    check_no_split(config, "its files have")
     fmt = _format_of(files, config.path) if config.format == "auto" else config.format
     return (_open_parquet if fmt == "parquet" else _open_jsonl)(files, config)
+
+
+def check_no_split(config: InputConfig, what: str) -> None:
+    """BatchgenError where the job names a split (input.split other than the default) of an
+    input that has none (`what` has no splits): its rows would not be that split's."""
+    default = InputConfig.__dataclass_fields__["split"].default
+    if config.split != default:
+        raise BatchgenError(
+            f"input.split = {config.split!r}, but {what} no splits (only a datasets."
+            "save_to_disk DatasetDict folder or a hub dataset has): remove input.split"
+        )
 
 
 def dataset_source(ds: Any, batch_rows: int, description: str) -> InputSource:
@@ -682,6 +696,8 @@ def _open_saved(config: InputConfig) -> InputSource:
                 f"split {config.split!r} is not in {raw!r}: use one of {', '.join(ds)}"
             )
         ds, note = ds[config.split], f" (split {config.split})"
+    else:
+        check_no_split(config, f"{raw!r} holds one dataset, with")
     if ds.format["type"] is not None:  # saved with set_format: rows would be tensors, arrays
         ds = ds.with_format(None)  # plain Python values, as Parquet and JSONL give
     source = dataset_source(ds, config.batch_rows, f"saved dataset {raw!r}")

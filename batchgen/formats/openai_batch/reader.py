@@ -16,6 +16,7 @@ from batchgen.io import InputConfig, InputSource
 from batchgen.io.readers import (
     JsonlScan,
     Parsed,
+    check_no_split,
     describe_files,
     find_files,
     jsonl_lines,
@@ -30,6 +31,7 @@ def open_batch_file(config: InputConfig) -> InputSource:
     files = find_files(config)
     if files is None:
         raise BatchgenError(f"input {config.path!r} does not exist: check the path")
+    check_no_split(config, "an OpenAI batch file has")
     scans = [scan_jsonl(path, name) for path, name in files]
     description = describe_files(files, "OpenAI batch", config.path)
     reader = partial(_rows, files, scans)
