@@ -405,6 +405,7 @@ def _name(kind: Any) -> str:
         float: "a number",
         bool: "true/false",
         str: "a string",
+        dict: "a table",
         type(None): "nothing",
     }.get(kind, str(kind))
 

@@ -618,6 +618,37 @@ def test_a_system_prompt_without_chat_messages_is_refused(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_served_model_name_outside_openai_batch_input_is_refused(
+    model_dir, tmp_path: Path
+) -> None:
+    """served_model_name names the model in OpenAI Batch lines and results; rows of other
+    inputs carry no model name, so the setting would do nothing: one line, nothing written."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    served = "model.served_model_name=['gpt-x']"
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", "prompt.column='prompt'", served)
+    with pytest.raises(BatchgenError) as excinfo:
+        run_job(spec)
+    assert str(excinfo.value) == (
+        "model.served_model_name names the model in openai-batch lines and results only: "
+        "remove it, or run the input with --format openai-batch"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_kv_cache_set_too_small_for_the_start_up_check_names_the_setting(model_dir) -> None:
+    """num_kv_blocks given, too few for the model check's probe requests: the line names the
+    setting and the blocks needed, not the model as one batchgen cannot run."""
+    model = model_dir("llama")
+    with pytest.raises(BatchgenError) as excinfo:
+        Engine(model, EngineConfig(device="cpu", block_size=16, num_kv_blocks=2))
+    assert str(excinfo.value) == (
+        "num_kv_blocks=2 is too small: the start-up check of the model runs a 40-token "
+        "request, which needs 3 blocks of 16 tokens: give at least 3, and enough for the "
+        "longest prompt plus max_new_tokens"
+    )
+    assert Engine(model, EngineConfig(device="cpu", block_size=16, num_kv_blocks=3)).num_blocks == 3
+
+
 def test_a_max_model_len_over_the_models_context_is_refused(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama", max_position_embeddings=48)
     with pytest.raises(BatchgenError, match="max_model_len=49 is more than the model's context"):

@@ -143,3 +143,11 @@ def test_a_section_written_as_a_plain_value_is_refused(
     job.write_text(text + "".join(v for k, v in rest.items() if k != section))
     with pytest.raises(BatchgenError, match=rf"\[{section}\] must be a table of keys, not"):
         load_spec(job, args, values)
+
+
+def test_a_value_of_the_wrong_type_names_the_types_in_toml_words() -> None:
+    with pytest.raises(BatchgenError) as excinfo:
+        load_spec(None, [*BASE, "sampling.json_schema=[]"])
+    assert str(excinfo.value) == (
+        "sampling.json_schema = []: expected a string or a table or nothing"
+    )

@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.engine.attention import attention_audit, attention_scope
+from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.model_loader import eval_mode
 from batchgen.engine.quant.check import fp8_probe_mode, fp8_product_error
 from batchgen.engine.quant.convert import is_quantized
@@ -98,6 +99,7 @@ def _eager_steps(engine: Engine) -> Iterator[None]:
 def _compare(engine: Engine, family: str) -> None:
     """The probe requests through the engine against the model's own forward pass."""
     prompts = _probe_prompts(engine)
+    _check_room(engine, prompts)
     with _own_pass(family):
         scales = calibrate_kv_scales(engine, prompts) if engine.kv_dtype == FP8_DTYPE else None
     params = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, ignore_eos=True, logprobs=PROBE_TOP)
@@ -190,6 +192,20 @@ def _probe_prompts(engine: Engine) -> list[Prompt]:
         Prompt(torch.randint(0, vocab, (min(n, room),), generator=generator).tolist(), f"probe-{i}")
         for i, n in enumerate(PROBE_LENGTHS)
     ]
+
+
+def _check_room(engine: Engine, prompts: list[Prompt]) -> None:
+    """A KV cache set too small for the probe's requests (num_kv_blocks given) is the
+    setting's fault, not the model's: one line naming it."""
+    tokens = max(len(p.prompt) for p in prompts) + PROBE_NEW_TOKENS
+    need = blocks_for(tokens, engine.config.block_size)
+    if engine.num_blocks < need:
+        raise BatchgenError(
+            f"num_kv_blocks={engine.num_blocks} is too small: the start-up check of the model "
+            f"runs a {tokens}-token request, which needs {need} blocks of "
+            f"{engine.config.block_size} tokens: give at least {need}, and enough for the "
+            "longest prompt plus max_new_tokens"
+        )
 
 
 def _paired(prompts: list[Prompt], outs: list[Any]) -> list[tuple[Prompt, Any]]:

@@ -28,6 +28,11 @@ class RowsFormat:
                 f"pass-through column {clash[0]!r} would overwrite an output column: "
                 "rename it in the input"
             )
+        if spec.model.served_model_name:
+            raise BatchgenError(
+                f"model.served_model_name names the model in {OPENAI_BATCH} lines and results "
+                "only: remove it, or run the input with --format openai-batch"
+            )
         if spec.prompt.system_prompt is not None and spec.prompt.messages_column is None:
             raise BatchgenError(
                 "prompt.system_prompt applies to chat messages (prompt.messages_column) only: "
