@@ -39,6 +39,7 @@ from batchgen.io.checkpoint import (
     check_directory_writable,
     identity_changes,
     read_manifest,
+    remove_result_files,
     remove_temp_files,
     scan_committed,
     write_manifest,
@@ -254,6 +255,7 @@ def _with_engine(
     check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
     resuming = claim(layout, spec, current, previous)
     remove_temp_files(layout)
+    remove_result_files(layout)
     committed = scan_committed(layout, note)
     columns = job_columns(spec, source)
     if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:

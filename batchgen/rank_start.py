@@ -29,6 +29,7 @@ from batchgen.io.checkpoint import (
     IDENTITY_PARTS,
     Manifest,
     identity_changes,
+    remove_result_files,
     remove_temp_files,
     scan_committed,
 )
@@ -120,6 +121,7 @@ def start_rank(
         check_resumable(layout, previous, current, IDENTITY_PARTS, force)
         resuming = claim(layout, spec, current, previous)
         remove_temp_files(layout)  # no rank writes before this step is passed
+        remove_result_files(layout)
         committed = scan_committed(layout, note)
         if resuming and current["input"] is None and committed.indexes:
             verify_rows(mine, source, committed)

@@ -395,6 +395,26 @@ class StopAfterShards(threading.Event):
         return super().is_set()
 
 
+def test_a_result_file_is_never_left_beside_rows_it_lacks(job, tmp_path: Path) -> None:
+    """A completed job's result file, then the input grows and a --force-resume run stops
+    part way: the old result file (without the new rows) is gone, not left looking whole;
+    the run that completes the job writes it again with every row."""
+    out = tmp_path / "out"
+    assert job("output.format='jsonl'").complete
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(PROMPTS)
+    grown = [*PROMPTS, *(f"Row {i}: one more." for i in range(len(PROMPTS), 30))]
+    write_jsonl(tmp_path / "in.jsonl", jsonl_rows(grown))
+    stop = StopAfterShards(out, 1, rows=len(PROMPTS) + 4)
+    forced = job(
+        "output.format='jsonl'", "output.shard_rows=2", force_resume=True, stop=stop,
+        hooks=stop.hooks,
+    )  # fmt: skip
+    assert not forced.complete and forced.result_file is None
+    assert not (out / "results.jsonl").exists()
+    assert job("output.format='jsonl'", "output.shard_rows=2").complete
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(grown)
+
+
 def test_an_input_without_fingerprint_is_checked_row_by_row(model_dir, tmp_path: Path) -> None:
     """A streamed source (an IterableDataset here, a hub stream in a job) has no fingerprint up
     front: each committed row's input hash is compared before anything is generated."""

@@ -422,6 +422,14 @@ def remove_temp_files(layout: OutputLayout) -> int:
     return len(temps) + abort_uploads(layout.dir)
 
 
+def remove_result_files(layout: OutputLayout) -> None:
+    """Delete the result files an earlier run wrote, before this run commits a row: they are
+    written again when the job completes, and one left beside the shards of a job that grew
+    (--force-resume) and then stopped would lack the new rows. Call only under the lock."""
+    for path in layout.result_files():
+        path.unlink(missing_ok=True)
+
+
 def iter_shard_rows(path: AnyPath) -> Iterator[dict[str, Any]]:
     if path.suffix == ".parquet":
         with arrow_file(path) as f:

@@ -5,7 +5,8 @@
 <dir>/shards/part-<run>-<seq>-n<rows>.<ext>   committed shards: the checkpoint
 <dir>/damaged/            shards found unreadable on resume, moved aside (rows regenerated)
 <dir>/summary.json        the job's counts (all its committed rows), the last run's counts and rates
-<dir>/results.<ext>       every committed row in input order (when the job completes)
+<dir>/results.<ext>       every committed row in input order (when the job completes; removed
+                          when a later run starts, written again when it completes the job)
 <dir>/errors.jsonl        OpenAI Batch error lines (openai-batch input only)
 <dir>/profile/steps-<run>.parquet     per-step records of a run with --profile (never read
                           by resuming: outside shards/)
@@ -123,6 +124,10 @@ class OutputLayout:
     @property
     def openai_errors(self) -> AnyPath:
         return self.dir / "errors.jsonl"
+
+    def result_files(self) -> list[AnyPath]:
+        """Every name a completed job's result files may have (any format)."""
+        return [*(self.results(f) for f in OUTPUT_FORMATS), self.openai_errors]
 
     def shard(self, run_token: str, seq: int, rows: int, format: str) -> AnyPath:
         return self.shards / f"{SHARD_PREFIX}{run_token}-{seq:06d}-n{rows}.{format}"
