@@ -592,6 +592,26 @@ def test_final_merge_of_int_and_float_shards_loses_no_digit(
     assert merged[0] == merged[1] == expected
 
 
+def test_final_merge_of_decimal_and_float_shards_rounds_no_decimal(tmp_path: Path) -> None:
+    """Arrow's safe cast takes a decimal to the nearest double: exact decimals in one shard,
+    doubles in another are merged as text, never rounded (a decimal a double holds exactly
+    still promotes)."""
+    from decimal import Decimal
+
+    for values, promoted in (([Decimal("12345678901234567.89")], False), ([Decimal("2.5")], True)):
+        rows = [{"index": i, "id": f"r{i}", "v": v} for i, v in enumerate([*values, 0.1])]
+        out = tmp_path / str(promoted)
+        write_shards(out, "parquet", [rows[:-1], rows[-1:]], extra=("v",))
+        types = {pq.read_schema(p).field("v").type for p in (out / "shards").glob("*.parquet")}
+        assert types == {pa.float64(), pa.array(values).type}
+        write_final(OutputLayout(out), "parquet", out / "results.parquet")
+        column = pq.read_table(out / "results.parquet").column("v")
+        if promoted:
+            assert column.type == pa.float64() and column.to_pylist() == [2.5, 0.1]
+        else:
+            assert column.type == pa.string() and "12345678901234567.89" in column[0].as_py()
+
+
 def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) -> None:
     """The rename is the commit: at that instant the temp file is whole and fsynced."""
     seen: list[tuple[str, int]] = []

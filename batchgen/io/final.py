@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import IO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -135,18 +135,37 @@ def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> tuple[pa.Sch
 
 
 def _fits(paths: list[AnyPath], schemas: list[pa.Schema], name: str, target: pa.DataType) -> bool:
-    """Whether every shard's values of column `name` cast to `target` without loss (Arrow's
-    safe cast: an int64 past 2^53 is no exact double); reads only shards of another type."""
+    """Whether every shard's values of column `name` cast to `target` without loss: Arrow's
+    safe cast (an int64 past 2^53 is no exact double), whose result must then equal the
+    values given (the safe cast rounds a decimal to a double, takes a bool as 0 or 1); reads
+    only shards of another type."""
     for path, schema in zip(paths, schemas, strict=True):
         if name not in schema.names or schema.field(name).type == target:
             continue
         with arrow_file(path) as f:
             column = pq.read_table(f, columns=[name]).column(name)
         try:
-            column.cast(target, safe=True)
+            cast = column.cast(target, safe=True)
         except (pa.ArrowException, NotImplementedError):
             return False
+        if not all(map(_same_value, column.to_pylist(), cast.to_pylist())):
+            return False
     return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """b is a as given (NaN is NaN; a bool is no number; nested values alike, a struct's
+    fields all kept, new ones null)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, float) and isinstance(b, float) and a != a:
+        return b != b
+    if isinstance(a, dict) and isinstance(b, dict):
+        kept = all(k in b and _same_value(a[k], b[k]) for k in a)
+        return kept and all(b[k] is None for k in b.keys() - a.keys())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    return bool(a == b)
 
 
 def _conform(table: pa.Table, schema: pa.Schema, text_columns: set[str]) -> pa.Table:
