@@ -139,6 +139,7 @@ class RowPrompt(NamedTuple):
 NOT_SCALAR = (list, tuple, dict, set, bytes, bytearray)  # values with no text of their own
 MAX_NESTING = 32  # levels of lists/objects a pass-through value may have (Parquet reads ~45)
 CHAR_SLACK = 4  # a prompt longer than slack x tokens x longest token (in characters) cannot fit
+MARKER, MARKER_END = "\ue000", "\ue001"  # private-use characters around a text part's marker
 
 
 class _Rendered(NamedTuple):
@@ -255,20 +256,15 @@ class PromptBuilder:
 
     def _text(self, values: dict[str, Any]) -> tuple[str, bool]:
         """-> (the prompt text, whether the tokenizer adds its special tokens)."""
-        cfg, tok = self.config, self.tokenizer
+        cfg = self.config
         if cfg.messages_column is not None:
             messages = _messages(_value(values, cfg.messages_column), cfg.messages_column)
             given = len(messages)
             if cfg.system_prompt is not None and messages[0].get("role") not in SYSTEM_ROLES:
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
             messages = [self._for_template(message) for message in messages]
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:  # jinja errors on malformed messages
-                raise ValueError(
-                    f"chat template failed on column {cfg.messages_column!r}: {exc}"
-                ) from exc
-            _check_parts_rendered(messages[len(messages) - given :], text)
+            text = self._chat_text(messages)
+            self._check_parts_rendered(messages, len(messages) - given, text)
             return self._checked(text), False
         if cfg.template is not None:
             fields = {name: _field(values, name) for name in template_fields(cfg.template)}
@@ -282,6 +278,51 @@ class PromptBuilder:
         if not text:
             raise ValueError("prompt is empty")
         return self._checked(text), True
+
+    def _chat_text(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja errors on malformed messages
+            raise ValueError(
+                f"chat template failed on column {self.config.messages_column!r}: {exc}"
+            ) from exc
+
+    def _check_parts_rendered(self, messages: list[dict[str, Any]], first: int, text: str) -> None:
+        """ValueError where the chat template left out a text part of a message of several
+        (some templates read only a message's first part): the message would reach the model
+        in part. Found by rendering the messages again with each part's text a marker of its
+        own, which no other text holds: a part whose text is also elsewhere in the prompt
+        cannot pass for rendered. first: the first of the row's own messages (the system
+        prompt before it is batchgen's own)."""
+        lead = MARKER
+        while lead in text:  # the markers are in no text the template renders
+            lead += MARKER
+        marked, wanted = [], {}
+        for i, message in enumerate(messages):
+            parts = message.get("content")
+            if i < first or not isinstance(parts, list) or len(parts) < 2:
+                marked.append(message)
+                continue
+            own = [f"{lead}{i}.{j}{MARKER_END}" for j in range(len(parts))]
+            wanted.update(
+                (mark, (i - first, len(parts), p["text"]))
+                for mark, p in zip(own, parts, strict=True)
+                if p["text"].strip()
+            )
+            marked.append(
+                {**message, "content": [{**p, "text": m} for p, m in zip(parts, own, strict=True)]}
+            )
+        if not wanted:
+            return
+        rendered = self._chat_text(marked)
+        for mark, (i, count, part) in wanted.items():
+            if mark not in rendered:
+                raise ValueError(
+                    f"the chat template renders only part of message {i}'s {count} text parts "
+                    f"(not {part[:40]!r}): give its text as one string"
+                )
 
     def _for_template(self, message: dict[str, Any]) -> dict[str, Any]:
         """A message as the chat template takes it, as vLLM passes it: a developer message as a
@@ -440,21 +481,6 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
         return [{"type": "text", "text": p["text"]} for p in content]
     kind = "none" if content is None else type(content).__name__
     raise ValueError(f"content must be text or a list of text parts, not {kind}")
-
-
-def _check_parts_rendered(messages: list[dict[str, Any]], text: str) -> None:
-    """ValueError where the chat template left out a text part of a message of several (some
-    templates read only a message's first part): the message would reach the model in part."""
-    for i, message in enumerate(messages):
-        parts = message.get("content")
-        if not isinstance(parts, list) or len(parts) < 2:
-            continue
-        lost = [p["text"] for p in parts if p["text"].strip() and p["text"].strip() not in text]
-        if lost:
-            raise ValueError(
-                f"the chat template renders only part of message {i}'s {len(parts)} text parts "
-                f"(not {lost[0][:40]!r}): give its text as one string"
-            )
 
 
 def _joined(message: dict[str, Any]) -> dict[str, Any]:

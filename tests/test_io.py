@@ -569,6 +569,135 @@ def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> N
     assert second.to_pylist()[0] == {**dict.fromkeys(BASE), **fitting}
 
 
+NANOS = 1234567890123  # 00:20:34.567890123 after midnight or the epoch; its 123 ns are cut to us
+NS_TYPES = {"t": pa.time64("ns"), "ts": pa.timestamp("ns", "UTC"), "d": pa.duration("ns")}
+NS_TEXT = {
+    "t": "00:20:34.567890123",
+    "ts": "1970-01-01T00:20:34.567890123+00:00",
+    "d": "P0DT0H20M34.567890123S",
+}
+
+
+@pytest.mark.parametrize("pandas", [True, False])
+def test_nanosecond_values_reach_both_output_formats_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pandas: bool
+) -> None:
+    """A time64[ns] value (and without pandas a timestamp[ns] or duration[ns] one, which
+    Python's datetime types cannot hold) is read, stored and written to the nanosecond: the
+    same nanoseconds in Parquet, ISO 8601 text to the nanosecond in JSON Lines."""
+    from batchgen.io import arrow_values
+
+    if not pandas:
+        monkeypatch.setattr(arrow_values, "_have_pandas", lambda: False)
+    table = pa.table({name: pa.array([NANOS, None], kind) for name, kind in NS_TYPES.items()})
+    pq.write_table(table, tmp_path / "in.parquet")
+    source = open_input(InputConfig(str(tmp_path / "in.parquet")))
+    read = [r.values for b in source.batches() for r in b]
+    assert str(read[0]["t"]) == NS_TEXT["t"] and read[1] == dict.fromkeys(NS_TYPES)
+    for fmt in ("parquet", "jsonl"):
+        columns = {**BASE, **{name: source.types[name] for name in NS_TYPES}}
+        writer = ShardWriter(OutputLayout(tmp_path / fmt), fmt, columns, 10, 3600)
+        writer.add_group([{"index": i, "id": str(i), **values} for i, values in enumerate(read)])
+        writer.commit()
+        (shard,) = shard_files(tmp_path / fmt)
+        if fmt == "parquet":
+            stored = pq.read_table(shard)
+            for name, kind in NS_TYPES.items():
+                assert stored.schema.field(name).type == kind, name
+                assert stored.column(name).cast(pa.int64()).to_pylist() == [NANOS, None], name
+        else:
+            first, second = (json.loads(line) for line in shard.read_text().splitlines())
+            assert {name: first[name] for name in NS_TYPES} == NS_TEXT
+            assert {name: second[name] for name in NS_TYPES} == dict.fromkeys(NS_TYPES)
+
+
+def test_durations_are_written_to_json_in_iso_8601() -> None:
+    """Exact to the value's unit (a pandas Timedelta's nanoseconds too), a negative one with
+    its sign in front, never Python's "1 day, 0:00:00.000005"."""
+    from datetime import timedelta
+
+    from batchgen.io.writer import json_line
+
+    pd = pytest.importorskip("pandas")
+    durations = {
+        "day": timedelta(days=1, microseconds=5),
+        "zero": timedelta(0),
+        "back": timedelta(seconds=-1),
+        "long": timedelta(days=3, hours=25, minutes=61, seconds=1.5),
+        "ns": pd.Timedelta(NANOS, "ns"),
+        "back_ns": pd.Timedelta(-1, "ns"),
+    }
+    assert json.loads(json_line({"v": list(durations.values())}))["v"] == [
+        "P1DT0H0M0.000005S",
+        "P0DT0H0M0S",
+        "-P0DT0H0M1S",
+        "P4DT2H1M1.5S",
+        "P0DT0H20M34.567890123S",
+        "-P0DT0H0M0.000000001S",
+    ]
+
+
+def test_float32_values_read_as_their_own_shortest_text(tmp_path: Path) -> None:
+    """A float32 (or float16) value keeps its exact value, and its text (a template's, an
+    id's) is the shortest that reads back as the same float32, as Arrow shows it: 0.1, not the
+    double's 0.10000000149011612; a float64 value is left as it is."""
+    datasets = pytest.importorskip("datasets")
+    values = [0.1, 16777217.0, 1e-7, None]
+    table = pa.table(
+        {
+            "f32": pa.array(values, pa.float32()),
+            "f16": pa.array(values[:1] * 4, pa.float16()),
+            "f64": pa.array(values, pa.float64()),
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "saved"))
+    for path in ("in.parquet", "saved"):
+        rows = [r.values for r in read_all(tmp_path / path)]
+        assert [str(r["f32"]) for r in rows] == ["0.1", "16777216.0", "1e-07", "None"]
+        assert [r["f32"] for r in rows] == table.column("f32").to_pylist()  # the exact values
+        assert "{f16} {f32!r} {f32:.2f} {f32:>6}|".format(**rows[0]) == "0.1 0.1 0.10    0.1|"
+        assert str(rows[0]["f64"]) == "0.1" and type(rows[0]["f64"]) is float
+
+
+def test_columns_whose_nanoseconds_would_be_cut_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the job starts, in one line: a time64[ns] inside a list or struct, a time64[ns]
+    column of a datasets input (which reads it to the microsecond), and without pandas a
+    timestamp[ns] inside a list; a column the job does not use is not looked at."""
+    from batchgen.io import arrow_values
+    from batchgen.job import check_job
+
+    datasets = pytest.importorskip("datasets")
+    nested = pa.array([[NANOS]], pa.list_(pa.time64("ns")))
+    stamps = pa.array([[NANOS]], pa.list_(pa.timestamp("ns")))
+    table = pa.table({"prompt": ["hi"], "times": nested, "stamps": stamps, "t": [NANOS]})
+    table = table.set_column(3, "t", pa.array([NANOS], pa.time64("ns")))
+    pq.write_table(table, tmp_path / "in.parquet")
+    datasets.Dataset(table.select(["prompt", "t"])).save_to_disk(str(tmp_path / "saved"))
+
+    def check(path: str, column: str) -> None:
+        values = {"input.path": str(tmp_path / path), "output.dir": str(tmp_path / "out")}
+        check_job(load_spec(None, values={**values, "prompt.passthrough": [column]}))
+
+    with pytest.raises(BatchgenError) as excinfo:
+        check("in.parquet", "times")
+    assert one_line_error(excinfo).startswith(
+        "column 'times' holds time64[ns] inside a list or struct, whose nanoseconds would be cut"
+    )
+    with pytest.raises(BatchgenError) as excinfo:
+        check("saved", "t")
+    assert one_line_error(excinfo).startswith("column 't' is time64[ns], whose nanoseconds")
+    check("in.parquet", "t")
+    check("in.parquet", "stamps")  # pandas gives its values to the nanosecond
+    monkeypatch.setattr(arrow_values, "_have_pandas", lambda: False)
+    with pytest.raises(BatchgenError) as excinfo:
+        check("in.parquet", "stamps")
+    assert one_line_error(excinfo).endswith("or install pandas")
+    check("in.parquet", "t")
+
+
 @pytest.mark.parametrize(
     ("ints", "expected"),
     [

@@ -425,6 +425,37 @@ def test_a_template_that_renders_part_of_a_messages_text_parts_is_an_error_row(
     assert "Part one.Part two." in tokenizer.decode(all_parts.prompt_ids)
 
 
+def test_a_dropped_text_part_whose_text_is_elsewhere_in_the_prompt_is_an_error_row(
+    model_dir,
+) -> None:
+    """A part counts as rendered only where the template rendered that part: a dropped part
+    whose text is also in another part or in another message is still an error row; a
+    template that renders every part, equal parts too, is fine."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = FIRST_PART_ONLY
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+
+    def parts(*texts: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": text} for text in texts]
+
+    rows = [
+        [{"role": "system", "content": parts("Answer in French.", "Answer")}],  # in part one
+        [
+            {"role": "system", "content": parts("Be brief.", "Never tell.")},
+            {"role": "user", "content": "Never tell."},  # in another message
+        ],
+        [{"role": "user", "content": parts("Same.", "Same.")}],
+    ]
+    inside, elsewhere, equal = builder.build_many([(i, {"m": m}) for i, m in enumerate(rows)])
+    assert "renders only part of message 0's 2 text parts (not 'Answer')" in inside.error
+    assert "(not 'Never tell.')" in elsewhere.error and elsewhere.prompt_ids is None
+    assert equal.error is None and "Same.Same." in tokenizer.decode(equal.prompt_ids)
+
+
 def test_a_text_prompt_that_begins_with_the_bos_text_is_an_error_row(
     model_dir, tmp_path: Path
 ) -> None:
@@ -790,6 +821,46 @@ def test_jsonl_output_writes_dates_bytes_and_decimals_as_json_does(
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["ts"] == "2024-01-02T03:04:05" and row["day"] == "2024-01-02"
     assert base64.b64decode(row["blob"]) == b"\x00\xffab" and row["price"] == "1.50"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_float32_and_nanosecond_values_reach_templates_ids_and_output_exactly(
+    model_dir, tmp_path: Path, fmt: str
+) -> None:
+    """A float32 value reads in a template and as an id as its own shortest text (0.1, not
+    0.10000000149011612); a time64[ns] value keeps its nanoseconds in a template and in the
+    output, and a duration is written to JSON in ISO 8601."""
+    import datetime
+
+    table = pa.table(
+        {
+            "f": pa.array([0.1, 3.3], pa.float32()),
+            "t": pa.array([1234567890123, 0], pa.time64("ns")),
+            "d": pa.array([datetime.timedelta(days=1, microseconds=5)] * 2, pa.duration("us")),
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    sets = (
+        "prompt.template='v {f} at {t}'",
+        "prompt.id_column='f'",
+        "prompt.passthrough=['t', 'd']",
+        f"output.format='{fmt}'",
+        "output.include_token_ids=true",
+        "sampling.max_new_tokens=2",
+    )
+    model = model_dir("llama")
+    run_job(spec_for(model, tmp_path / "in.parquet", tmp_path / "out", *sets))
+    rows = read_rows(tmp_path / "out")
+    assert [r["id"] for r in rows] == ["0.1", "3.3"] and rows[0]["error"] is None
+    tokenizer = Engine(model, EngineConfig(device="cpu")).tokenizer
+    assert rows[0]["prompt_token_ids"] == tokenizer("v 0.1 at 00:20:34.567890123").input_ids
+    if fmt == "jsonl":
+        assert [r["t"] for r in rows] == ["00:20:34.567890123", "00:00:00"]
+        assert rows[0]["d"] == "P1DT0H0M0.000005S"
+    else:
+        stored = pq.read_table(tmp_path / "out" / "results.parquet")
+        assert stored.column("t").cast(pa.int64()).to_pylist() == [1234567890123, 0]
+        assert stored.column("d").type == pa.duration("us")
 
 
 def test_job_level_errors_before_model_work(model_dir, tmp_path: Path) -> None:

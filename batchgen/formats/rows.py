@@ -10,6 +10,7 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError
 from batchgen.formats.base import FinalFiles
 from batchgen.io import InputSource, OutputLayout, open_input
+from batchgen.io.arrow_values import check_exact
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import RESERVED
 from batchgen.io.readers import OPENAI_BATCH
@@ -50,6 +51,7 @@ class RowsFormat:
 
     def check_columns(self, spec: JobSpec, source: InputSource) -> None:
         _check_schema_types(spec, source)
+        check_exact(source.types, spec.prompt.columns_used(), source.nanosecond_times)
         if source.columns is None:
             return
         missing = [c for c in spec.prompt.columns_used() if c not in source.columns]

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import readers
+from batchgen.io.arrow_values import python_rows, python_values
 from batchgen.io.fs import InputChanged, Pin, arrow_file
 from batchgen.row_share import RankRows
 
@@ -90,7 +91,7 @@ def _parquet_file_rows(
             index = start
             for batch in batches:
                 check()
-                for values in batch.to_pylist():
+                for values in python_rows(batch):
                     own = rows.reads(index)
                     yield readers.project(values, columns) if own else _id(values, id_column), None
                     index += 1
@@ -99,7 +100,7 @@ def _parquet_file_rows(
                 batch_rows, row_groups=[group], columns=ids, use_threads=False
             ):
                 check()
-                for value in batch.column(0).to_pylist():
+                for value in python_values(batch.column(0)):
                     yield {id_column: value}, None
         else:  # nothing of it is needed but its row count
             for _ in range(count):

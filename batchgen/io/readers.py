@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
+from batchgen.io.arrow_values import check_exact, narrowed, python_rows
 from batchgen.io.fs import (
     InputChanged,
     Pin,
@@ -128,6 +129,7 @@ class InputSource:
     # sampled: of the names given, those some row may have as a key (a pass over the files)
     mentions: Callable[[list[str]], set[str]] | None = field(repr=False, default=None)
     read_rank: RankReader | None = field(repr=False, default=None)  # None: read every row
+    nanosecond_times: bool = False  # time64[ns] (and similar) columns read as Nanos, else refused
 
     def batches(self, columns: list[str] | None = None) -> Iterator[list[RawRow]]:
         """Stream lists of up to batch_rows rows in input order.
@@ -358,6 +360,7 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
         promoted=frozenset(name for name in declared if len(types[name]) > 1),
         files=tuple(path for path, _ in files),
         read_rank=partial(rank_reads.parquet_rank_rows, files, pins, config.batch_rows),
+        nanosecond_times=True,
     )
 
 
@@ -392,7 +395,7 @@ def _parquet_rows(
                 batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
                 for batch in batches:
                     still_scanned(path, pin)
-                    for values in batch.to_pylist():
+                    for values in python_rows(batch):
                         yield project(values, columns), None
         except (pa.ArrowException, OSError) as exc:
             damaged = f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
@@ -725,15 +728,19 @@ def _open_hub(config: InputConfig) -> InputSource:
 def _dataset_rows(
     ds: Any, batch_rows: int, what: str, columns: list[str] | None
 ) -> Iterator[Parsed]:
-    """ds: a datasets Dataset (memory-mapped) or IterableDataset (streamed)."""
+    """ds: a datasets Dataset (memory-mapped) or IterableDataset (streamed); a hub dataset's
+    types, unknown when it was opened, are checked here, before its first row."""
     names = ds.column_names or []
     if columns is not None and names:
         ds = ds.select_columns([c for c in columns if c in names] or names[:1])
+    kinds = _dataset_types(ds)
+    check_exact(kinds, kinds, nanosecond_times=False)
     try:
         for batch in ds.iter(batch_size=batch_rows):  # batch: {column: [values]}
             keys = list(batch)
             for values in zip(*(batch[k] for k in keys), strict=True):
-                yield project(dict(zip(keys, values, strict=True)), columns), None
+                row = narrowed(dict(zip(keys, values, strict=True)), kinds)
+                yield project(row, columns), None
     except Exception as exc:  # a network drop or a damaged arrow file, mid-stream
         raise BatchgenError(
             f"reading {what} failed ({_reason(exc)}): run again; committed rows are kept"

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import check_field
+from batchgen.io.arrow_values import Nanos, arrow_inputs, iso_duration, python_values
 from batchgen.io.atomic import fsync_dir, write_atomic
 from batchgen.io.fs import check_output_url
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout, new_run_token
@@ -145,10 +146,12 @@ def json_line(row: Row) -> str:
 
 
 def json_value(value: Any) -> Any:
-    """JSON's form of a value JSON has no type for: dates and times in ISO 8601, bytes in
-    base64, anything else (a decimal) as its exact text; never Python's repr of it."""
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+    """JSON's form of a value JSON has no type for: dates, times and durations in ISO 8601,
+    bytes in base64, anything else (a decimal) as its exact text; never Python's repr of it."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time, Nanos)):
         return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return iso_duration(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode("ascii")
     return str(value)
@@ -218,7 +221,7 @@ def _to_array(values: list[Any], type: pa.DataType | MayNotFit | None) -> pa.Arr
     declared = type.type if isinstance(type, MayNotFit) else type
     if declared is not None:
         try:
-            array = pa.array(values, type=declared)
+            array = pa.array(arrow_inputs(values, declared), type=declared)
             if not isinstance(type, MayNotFit) or _holds(array, values):
                 return array
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
@@ -231,7 +234,7 @@ def _to_array(values: list[Any], type: pa.DataType | MayNotFit | None) -> pa.Arr
 
 def _holds(array: pa.Array, values: list[Any]) -> bool:
     """Whether `array` holds `values` without loss: each reads back equal."""
-    stored = array.to_pylist()
+    stored = python_values(array)
     return stored == values or all(map(_same, values, stored))
 
 
