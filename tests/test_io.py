@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import time
-from datetime import datetime
+from datetime import UTC, date, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -493,7 +494,7 @@ def test_write_final_with_no_shards(tmp_path: Path, fmt: str) -> None:
 def test_pass_through_columns_of_varying_types(tmp_path: Path) -> None:
     extra = ("meta", "score", "tag", "extra")
     shards = [
-        # within one shard: int and str in "meta" cannot share an Arrow type -> text
+        # within one shard: int and str in "meta" cannot share an Arrow type -> JSON text
         [
             {"index": 0, "id": "a", "meta": 1, "score": 1, "tag": None},
             {"index": 1, "id": "b", "meta": "x", "score": 2, "tag": None},
@@ -509,7 +510,7 @@ def test_pass_through_columns_of_varying_types(tmp_path: Path) -> None:
     assert table.schema.field("score").type == pa.float64()
     assert table.schema.field("meta").type == pa.string()
     assert table.schema.field("error").type == pa.string()
-    assert table.column("meta").to_pylist() == ["1", "x", "3", '{"k": 1}']
+    assert table.column("meta").to_pylist() == ["1", '"x"', "3", '{"k": 1}']
     assert table.column("score").to_pylist() == [1.0, 2.0, 2.5, 4.0]
     assert table.column("tag").to_pylist() == [None, None, "t", None]
     assert table.column("extra").to_pylist() == [None, None, [1, 2], None]
@@ -561,7 +562,7 @@ def test_a_declared_type_never_changes_a_pass_through_value(tmp_path: Path) -> N
     writer.commit()
     first, second = (pq.read_table(p) for p in shard_files(tmp_path))
     values["meta"][0]["b"] = None  # a key no value of the first file has: null
-    values["tag"] = ["7", "seven"]  # a number and a string share no type: text
+    values["tag"] = ["7", '"seven"']  # a number and a string share no type: JSON text
     for name, got in values.items():
         assert first.column(name).to_pylist() == got, name
     assert second.schema.field("score").type == pa.int64()
@@ -739,6 +740,128 @@ def test_final_merge_of_decimal_and_float_shards_rounds_no_decimal(tmp_path: Pat
             assert column.type == pa.float64() and column.to_pylist() == [2.5, 0.1]
         else:
             assert column.type == pa.string() and "12345678901234567.89" in column[0].as_py()
+
+
+TOKYO = timezone(timedelta(hours=9))
+
+
+@pytest.mark.parametrize(
+    ("values", "texts"),
+    [
+        ([2.5, True, False], ["2.5", "true", "false"]),  # Arrow: 1.0, 0.0
+        ([{"score": 0.5}, {"score": True}], ['{"score": 0.5}', '{"score": true}']),
+        ([[1.5], [True]], ["[1.5]", "[true]"]),
+        (  # Arrow: the zone dropped
+            [datetime(2020, 1, 1, 12), datetime(2020, 1, 1, 12, tzinfo=TOKYO)],
+            ['"2020-01-01T12:00:00"', '"2020-01-01T12:00:00+09:00"'],
+        ),
+        (  # Arrow: both at the first one's offset
+            [datetime(2020, 1, 1, 12, tzinfo=TOKYO), datetime(2020, 1, 1, 12, tzinfo=UTC)],
+            ['"2020-01-01T12:00:00+09:00"', '"2020-01-01T12:00:00+00:00"'],
+        ),
+        (  # Arrow: the time of day cut
+            [date(2020, 1, 1), datetime(2020, 1, 1, 23, 59)],
+            ['"2020-01-01"', '"2020-01-01T23:59:00"'],
+        ),
+        ([b"\x00", "a"], ['"AA=="', '"a"']),  # Arrow: the text as bytes
+    ],
+)
+def test_an_inferred_type_that_would_change_a_value_is_text(
+    tmp_path: Path, values: list[Any], texts: list[str]
+) -> None:
+    """Values that Arrow infers one type for but reads some of back as another kind are
+    written as each value's JSON text; the shard's other columns keep their types."""
+    shard = [{"index": i, "id": f"r{i}", "v": v, "n": i} for i, v in enumerate(values)]
+    write_shards(tmp_path, "parquet", [shard], extra=("v", "n"))
+    (path,) = shard_files(tmp_path)
+    table = pq.read_table(path)
+    assert table.column("v").to_pylist() == texts
+    assert table.schema.field("v").metadata == {b"batchgen.encoding": b"json"}
+    assert table.schema.field("n").type == pa.int64()
+
+
+@pytest.mark.parametrize(
+    ("values", "kind"),
+    [
+        ([1, 2.5], pa.float64()),
+        ([{"a": 1}, {"a": 2, "b": "x"}], pa.struct([("a", pa.int64()), ("b", pa.string())])),
+        ([datetime(2020, 1, 1, 12, tzinfo=TOKYO)] * 2, pa.timestamp("us", tz="+09:00")),
+        ([date(2020, 1, 1), None], pa.date32()),
+    ],
+)
+def test_an_inferred_type_that_keeps_every_value_is_kept(
+    tmp_path: Path, values: list[Any], kind: pa.DataType
+) -> None:
+    shard = [{"index": i, "id": f"r{i}", "v": v} for i, v in enumerate(values)]
+    write_shards(tmp_path, "parquet", [shard], extra=("v",))
+    (path,) = shard_files(tmp_path)
+    assert pq.read_schema(path).field("v").type == kind
+
+
+def test_a_column_parquet_cannot_store_is_text_alone(tmp_path: Path) -> None:
+    """An empty object (a struct of no field, which Parquet cannot store) makes its own column
+    text in that shard, not the shard's other columns: their types in the result file do not
+    depend on where shards were cut."""
+    shard = [
+        {"index": 0, "id": "a", "meta": {"k": 1}, "score": 5, "tag": "x"},
+        {"index": 1, "id": "b", "meta": {}, "score": 6, "tag": "y"},
+    ]
+    for name, shards in (("whole", [shard]), ("cut", [shard[:1], shard[1:]])):
+        write_shards(tmp_path / name, "parquet", shards, extra=("meta", "score", "tag"))
+        final = tmp_path / name / "results.parquet"
+        write_final(OutputLayout(tmp_path / name), "parquet", final)
+        table = pq.read_table(final)
+        assert table.schema.field("score").type == pa.int64(), name
+        assert table.schema.field("tag").type == pa.string(), name
+        assert table.column("tag").to_pylist() == ["x", "y"], name
+    assert table.column("meta").to_pylist() == ['{"k": 1}', "{}"]
+
+
+def test_a_text_column_holds_each_values_json_text(tmp_path: Path) -> None:
+    """Written as text, 5, "5", 5.0, true and "true" stay apart: each value is its JSON text
+    (strings quoted), in a shard and where the result file merges shards of strings or ints
+    into a column another shard wrote as text."""
+    mixed = [5, "5", 5.0, True, "true", None, [1, "1"], float("nan")]
+    values = [*mixed, "a", "5", 7]
+    shard = [{"index": i, "id": f"r{i}", "v": v} for i, v in enumerate(values)]
+    write_shards(tmp_path, "parquet", [shard[:8], shard[8:10], shard[10:]], extra=("v",))
+    final = tmp_path / "results.parquet"
+    write_final(OutputLayout(tmp_path), "parquet", final)
+    table = pq.read_table(final)
+    texts = table.column("v").to_pylist()
+    assert texts == [
+        "5",
+        '"5"',
+        "5.0",
+        "true",
+        '"true"',
+        None,
+        '[1, "1"]',
+        "NaN",
+        '"a"',
+        '"5"',
+        "7",
+    ]
+    assert table.schema.field("v").metadata == {b"batchgen.encoding": b"json"}
+    back = [None if t is None else json.loads(t) for t in texts[:7]]
+    assert [(type(v), v) for v in back] == [(type(v), v) for v in mixed[:7]]
+
+
+@pytest.mark.parametrize(
+    ("values", "texts"),
+    [
+        ([Decimal("0.10"), 0.5], ['"0.10"', "0.5"]),  # Arrow: 0.10 as the double 0.1
+        (["a", b"b"], ['"a"', '"Yg=="']),  # Arrow: the text as bytes
+    ],
+)
+def test_the_result_file_promotes_shard_types_only_where_every_value_keeps_its_kind(
+    tmp_path: Path, values: list[Any], texts: list[str]
+) -> None:
+    shards = [[{"index": i, "id": f"r{i}", "v": v}] for i, v in enumerate(values)]
+    write_shards(tmp_path, "parquet", shards, extra=("v",))
+    final = tmp_path / "results.parquet"
+    write_final(OutputLayout(tmp_path), "parquet", final)
+    assert pq.read_table(final).column("v").to_pylist() == texts
 
 
 def test_shard_is_complete_on_disk_before_rename(tmp_path: Path, monkeypatch) -> None:

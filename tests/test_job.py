@@ -863,6 +863,33 @@ def test_float32_and_nanosecond_values_reach_templates_ids_and_output_exactly(
         assert stored.column("d").type == pa.duration("us")
 
 
+def test_parquet_files_whose_types_no_type_holds_together_keep_every_value(
+    model_dir, tmp_path: Path
+) -> None:
+    """One file's naive timestamps and dates beside another's zoned timestamps and times of
+    day: one type would drop a zone or cut a time, so those columns are each value's JSON text
+    in Parquet output; a column whose files agree keeps its type."""
+    import datetime
+
+    tokyo = datetime.timezone(datetime.timedelta(hours=9))
+    day = datetime.datetime(2020, 1, 1, 12)
+    files = {
+        "a": (pa.array([day], pa.timestamp("us")), pa.array([day.date()])),
+        "b": (pa.array([day.replace(tzinfo=tokyo)]), pa.array([day], pa.timestamp("s"))),
+    }
+    (tmp_path / "in").mkdir()
+    for name, (when, on) in files.items():
+        table = pa.table({"prompt": [name], "when": when, "on": on, "n": [len(name)]})
+        pq.write_table(table, tmp_path / "in" / f"{name}.parquet")
+    sets = ("prompt.passthrough=['when', 'on', 'n']", "sampling.max_new_tokens=2")
+    out = tmp_path / "out"
+    run_job(spec_for(model_dir("llama"), tmp_path / "in", out, *sets))
+    got = read_rows(out)
+    assert [r["when"] for r in got] == ['"2020-01-01T12:00:00"', '"2020-01-01T12:00:00+09:00"']
+    assert [r["on"] for r in got] == ['"2020-01-01"', '"2020-01-01T12:00:00"']
+    assert [r["n"] for r in got] == [1, 1]
+
+
 def test_job_level_errors_before_model_work(model_dir, tmp_path: Path) -> None:
     model = model_dir("llama")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import IO, Any, NamedTuple
+from typing import IO, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,7 +19,7 @@ from batchgen.io.checkpoint import read_shard_keys
 from batchgen.io.fs import AnyPath, arrow_file
 from batchgen.io.layout import OUTPUT_FORMATS, OutputLayout
 from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS, common_type
-from batchgen.io.writer import as_text
+from batchgen.io.writer import is_text_field, same_value, text_array, text_field
 
 FINAL_WINDOW_ROWS = 100_000  # write_final sorts this many index values at a time
 SAMPLE = KEY_COLUMNS[1]
@@ -92,7 +92,7 @@ def _final_jsonl(spans: list[_Span], window_rows: int, drop: tuple[str, ...], f:
 def _final_parquet(
     spans: list[_Span], window_rows: int, drop: tuple[str, ...], f: IO[bytes]
 ) -> int:
-    schema, text_columns = _unified_schema([s.path for s in spans], drop)
+    schema = _unified_schema([s.path for s in spans], drop)
     written = 0
     with pq.ParquetWriter(f, schema) as out:
         for start, end, hits in _windows(spans, window_rows):
@@ -102,7 +102,7 @@ def _final_parquet(
                     table = pq.read_table(src)
                 index = table.column("index")
                 keep = pc.and_(pc.greater_equal(index, start), pc.less(index, end))
-                pieces.append(_conform(table.filter(keep), schema, text_columns))
+                pieces.append(_conform(table.filter(keep), schema))
             window = pa.concat_tables(pieces)
             keys = [c for c in KEY_COLUMNS if c in window.column_names]
             window = window.sort_by([(c, "ascending") for c in keys])
@@ -114,69 +114,55 @@ def _final_parquet(
     return written
 
 
-def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> tuple[pa.Schema, set[str]]:
+def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> pa.Schema:
     """One schema for all shards: types promoted where Arrow can and every shard's values fit
-    the promoted type unchanged; else the column is text, as a shard writes a column whose
-    own values mix (integers past 2^53 beside floats, say)."""
+    the promoted type unchanged; else the column is text (each value's JSON text), as a shard
+    writes a column whose own values mix (integers past 2^53 beside floats, say), and so is a
+    column any shard wrote as text."""
     schemas = []
     for path in paths:
         with arrow_file(path) as f:
             schemas.append(pq.read_schema(f))
     names = dict.fromkeys(n for schema in schemas for n in schema.names if n not in drop)
-    fields, text_columns = [], set()
+    fields = []
     for name in names:
-        types = {s.field(name).type for s in schemas if name in s.names}
-        target = common_type(name, types)
-        if target is None or not _fits(paths, schemas, name, target):
-            target = pa.string()
-            text_columns.add(name)
-        fields.append(pa.field(name, target))
-    return pa.schema(fields), text_columns
+        found = [s.field(name) for s in schemas if name in s.names]
+        target = common_type(name, {field.type for field in found})
+        text = any(map(is_text_field, found)) or target is None
+        if text or not _fits(paths, schemas, name, target):
+            fields.append(text_field(name))
+        else:
+            fields.append(pa.field(name, target))
+    return pa.schema(fields)
 
 
 def _fits(paths: list[AnyPath], schemas: list[pa.Schema], name: str, target: pa.DataType) -> bool:
-    """Whether every shard's values of column `name` cast to `target` without loss: Arrow's
-    safe cast (an int64 past 2^53 is no exact double), whose result must then equal the
-    values given (the safe cast rounds a decimal to a double, takes a bool as 0 or 1); reads
-    only shards of another type."""
+    """Whether every shard's values of column `name` read back unchanged from `target`, by kind
+    and value as a shard checks its own (an int64 past 2^53 is no exact double, nor a decimal
+    0.10; text is no bytes); reads only shards of another type."""
     for path, schema in zip(paths, schemas, strict=True):
         if name not in schema.names or schema.field(name).type == target:
             continue
         with arrow_file(path) as f:
             column = pq.read_table(f, columns=[name]).column(name)
         try:
-            cast = column.cast(target, safe=True)
+            stored = column.cast(target, safe=True)
         except (pa.ArrowException, NotImplementedError):
             return False
-        if not all(map(_same_value, column.to_pylist(), cast.to_pylist())):
+        if not same_value(column.to_pylist(), stored.to_pylist()):
             return False
     return True
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """b is a as given (NaN is NaN; a bool is no number; nested values alike, a struct's
-    fields all kept, new ones null)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, float) and isinstance(b, float) and a != a:
-        return b != b
-    if isinstance(a, dict) and isinstance(b, dict):
-        kept = all(k in b and _same_value(a[k], b[k]) for k in a)
-        return kept and all(b[k] is None for k in b.keys() - a.keys())
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(map(_same_value, a, b))
-    return bool(a == b)
-
-
-def _conform(table: pa.Table, schema: pa.Schema, text_columns: set[str]) -> pa.Table:
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     columns = []
     for target in schema:
         if target.name not in table.column_names:
             columns.append(pa.nulls(table.num_rows, target.type))
             continue
         column = table.column(target.name)
-        if target.name in text_columns and column.type != pa.string():
-            column = pa.array([as_text(v) for v in column.to_pylist()], type=pa.string())
+        if is_text_field(target) and not is_text_field(table.field(target.name)):
+            column = text_array(column.to_pylist())  # a shard's strings quoted too: "5", not 5
         columns.append(column.cast(target.type))
     return pa.Table.from_arrays(columns, schema=schema)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import decimal
 import json
 import math
 import os
@@ -35,8 +36,9 @@ class MayNotFit:
     """A pass-through column's declared type that some of its values may not fit: the type
     Arrow promotes the input files' disagreeing types to (an int column in one file, a float
     one in another). A shard stores the column in it only where every value reads back
-    unchanged, else in the values' inferred type. A plain declared type is the type the
-    values were read from (or batchgen's own): stored in it without that check."""
+    unchanged, else as an undeclared column (in the inferred type, else as text). A plain
+    declared type is the type the values were read from (or batchgen's own): stored in it
+    without that check."""
 
     type: pa.DataType
 
@@ -168,12 +170,18 @@ def _finite(value: Any) -> Any:
 
 
 def encode_parquet(rows: list[Row], columns: Columns, f: IO[bytes]) -> None:
-    """A shard is checked before it is committed: if Parquet cannot store (or read back) what
-    the values of an undeclared column inferred to (an empty object, say), those columns are
-    written as text (JSON) in this shard instead."""
-    data = _parquet_bytes(to_table(rows, columns))
+    """A shard is checked before it is committed: a column whose inferred type Parquet cannot
+    store (or read back), an empty object say, is written as text in this shard instead; the
+    other columns keep their types."""
+    table = to_table(rows, columns)
+    data = _parquet_bytes(table)
     if data is None:
-        data = _parquet_bytes(to_table(rows, columns, undeclared_as_text=True))
+        for i, name in enumerate(table.column_names):
+            declared = isinstance(columns[name], pa.DataType)  # stored as read: never text
+            if not declared and _parquet_bytes(table.select([i])) is None:
+                text = text_array([row.get(name) for row in rows])
+                table = table.set_column(i, text_field(name), text)
+        data = _parquet_bytes(table)
     if data is None:
         raise ValueError("these rows cannot be stored as Parquet")
     f.write(data)
@@ -202,59 +210,99 @@ def warm_encoders(format: str) -> None:
     _parquet_bytes(to_table([row], dict.fromkeys(row)))
 
 
-def to_table(rows: list[Row], columns: Columns, undeclared_as_text: bool = False) -> pa.Table:
-    arrays = {}
+def to_table(rows: list[Row], columns: Columns) -> pa.Table:
+    fields, arrays = [], []
     for name, type in columns.items():
         values = [row.get(name) for row in rows]
-        if type is None and undeclared_as_text:
-            arrays[name] = pa.array([as_text(v) for v in values], type=pa.string())
-        else:
-            arrays[name] = _to_array(values, type)
-    return pa.table(arrays)
+        array = _to_array(values, type)
+        fields.append(pa.field(name, array.type) if array is not None else text_field(name))
+        arrays.append(array if array is not None else text_array(values))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _to_array(values: list[Any], type: pa.DataType | MayNotFit | None) -> pa.Array:
-    """Values of their declared type, or Arrow's inferred type (text where it cannot unify).
-    A type that values may not fit (`MayNotFit`) is kept only if every value reads back
-    unchanged (Arrow would cut 1.5 to 1 in an int column, drop a struct's extra keys, round a
-    time): else the type is inferred, as for an undeclared column."""
+def _to_array(values: list[Any], type: pa.DataType | MayNotFit | None) -> pa.Array | None:
+    """Values of their declared type, or of Arrow's inferred type; None where neither holds
+    them (the column is then written as text). A type that values may not fit (`MayNotFit`)
+    and an inferred one are kept only if every value reads back unchanged: Arrow would cut
+    1.5 to 1 in an int column, drop a struct's extra keys, round a time, read true back as
+    1.0 beside a float, or give every timestamp of a column the first one's time zone."""
     declared = type.type if isinstance(type, MayNotFit) else type
     if declared is not None:
         try:
             array = pa.array(arrow_inputs(values, declared), type=declared)
-            if not isinstance(type, MayNotFit) or _holds(array, values):
+            if not isinstance(type, MayNotFit) or same_value(values, python_values(array)):
                 return array
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
             pass  # a value the declared type cannot hold: infer, as for an undeclared column
     try:
-        return pa.array(values)
+        array = pa.array(values)
     except (pa.ArrowException, OverflowError, TypeError, ValueError):
-        return pa.array([as_text(v) for v in values], type=pa.string())
+        return None
+    return array if same_value(values, python_values(array)) else None
 
 
-def _holds(array: pa.Array, values: list[Any]) -> bool:
-    """Whether `array` holds `values` without loss: each reads back equal."""
-    stored = python_values(array)
-    return stored == values or all(map(_same, values, stored))
+# what a value is, beyond its Python type: kinds a value must keep when stored (a bool is no
+# number, a datetime no date); numbers are one kind (1 stored in a float column reads back 1.0)
+_KINDS = (
+    bool,
+    (int, float, decimal.Decimal),
+    str,
+    (bytes, bytearray, memoryview),
+    datetime.datetime,
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+)
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})  # == of two of one type: exact
 
 
-def _same(value: Any, stored: Any) -> bool:
-    """One value read back unchanged: equal numbers (1 as 1.0, NaN as NaN), an object's keys
-    all kept (a struct field it lacks reads back null), lists item by item."""
-    if isinstance(value, float) and isinstance(stored, float) and math.isnan(value):
+def _kind(value: Any) -> Any:
+    return next((i for i, kind in enumerate(_KINDS) if isinstance(value, kind)), type(value))
+
+
+def same_value(value: Any, stored: Any) -> bool:
+    """One value read back unchanged, in kind and value: a number as an equal number (1 as
+    1.0, NaN as NaN), a datetime or time with its UTC offset (or without one), an object with
+    each of its keys (a struct field it lacks reads back null), a list item by item."""
+    if isinstance(value, Mapping):
+        if not isinstance(stored, Mapping) or not all(key in stored for key in value):
+            return False
+        return all(same_value(value.get(key), item) for key, item in stored.items())
+    if isinstance(value, (list, tuple)):
+        if not isinstance(stored, (list, tuple)) or len(value) != len(stored):
+            return False
+        kinds = set(map(type, value))
+        if kinds <= _PLAIN and kinds == set(map(type, stored)) and value == stored:
+            return True  # equal items of one plain type on both sides (Arrow's): C speed
+        return all(map(same_value, value, stored))
+    if _kind(value) != _kind(stored):
+        return False
+    if isinstance(value, float) and math.isnan(value):
         return math.isnan(stored)
-    if isinstance(value, (Mapping, list, tuple)) and value == stored:
-        return True  # whole, at C speed (a NaN inside makes == fail: then item by item)
-    if isinstance(value, Mapping) and isinstance(stored, Mapping):
-        kept = all(key in stored for key in value)
-        return kept and all(_same(value.get(key), item) for key, item in stored.items())
-    if isinstance(value, (list, tuple)) and isinstance(stored, (list, tuple)):
-        return len(value) == len(stored) and all(map(_same, value, stored))
+    if isinstance(value, (datetime.datetime, datetime.time)):
+        return value == stored and value.utcoffset() == stored.utcoffset()
     return bool(value == stored)
 
 
+JSON_TEXT = {b"batchgen.encoding": b"json"}  # metadata of a column written as JSON text
+
+
+def text_field(name: str) -> pa.Field:
+    """A column no Arrow type holds the values of: each value as its JSON text."""
+    return pa.field(name, pa.string(), metadata=JSON_TEXT)
+
+
+def is_text_field(field: pa.Field) -> bool:
+    return field.metadata == JSON_TEXT
+
+
+def text_array(values: list[Any]) -> pa.Array:
+    return pa.array([as_text(v) for v in values], type=pa.string())
+
+
 def as_text(value: Any) -> str | None:
-    """Text form of a pass-through value: strings as they are, anything else as JSON."""
-    if value is None or isinstance(value, str):
-        return value
+    """A value's JSON text, as a JSON Lines shard holds it (strings quoted, so 5 and "5"
+    differ), NaN and infinities as Python's json writes them; null stays null."""
+    if value is None:
+        return None
     return json.dumps(value, ensure_ascii=False, default=json_value)
