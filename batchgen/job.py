@@ -50,7 +50,7 @@ from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_access, check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
-from batchgen.prompts import RowPrompt
+from batchgen.prompts import RowPrompt, check_template_bos
 from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
@@ -247,6 +247,10 @@ def _with_engine(
             f"model '{spec.model.path}' has no chat template, so prompt.messages_column cannot "
             "be rendered: use an instruction-tuned model, or prompt.column / prompt.template"
         )
+    try:  # a template that gives every row two BOS tokens is one error, not one per row
+        check_template_bos(spec.prompt, engine.tokenizer)
+    except ValueError as exc:
+        raise BatchgenError(str(exc)) from None
     try:  # a job-wide value the model cannot take is one error, not one per row
         engine.check_sampling(spec.sampling)
     except ValueError as exc:

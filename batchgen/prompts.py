@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import functools
-import json
 import string
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from batchgen.content_format import ContentFormat, content_format, knows_developer
-from batchgen.engine.prompt_text import check_one_bos, check_unicode
+from batchgen.engine.prompt_text import check_one_bos, check_unicode, two_bos
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
+from batchgen.errors import first_line
+from batchgen.json_text import parse_json
 
 PROMPT_SOURCES = ("column", "template", "messages_column")
 TRUNCATE = ("error", "left", "right")
@@ -206,24 +207,34 @@ class PromptBuilder:
             todo = [
                 i for i, r in enumerate(out) if isinstance(r, _Rendered) and r.special is special
             ]
-            for i, ids in zip(
+            for i, (ids, added) in zip(
                 todo, self._encode([out[i].text for i in todo], special), strict=True
             ):
                 r = out[i]
                 try:
                     if special:  # a chat template's text is encoded without special tokens
                         check_one_bos(self.tokenizer, r.text, ids, "use messages_column")
-                    ids = self._truncate(list(ids), r.max_new_tokens)
+                    ids = self._truncate(list(ids), added, r.max_new_tokens)
                 except ValueError as exc:
                     out[i] = RowPrompt(r.index, r.row_id, None, {}, r.passthrough, str(exc))
                     continue
                 out[i] = RowPrompt(r.index, r.row_id, ids, r.overrides, r.passthrough, None)
         return out
 
-    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
+    def _encode(self, texts: list[str], special: bool) -> list[tuple[list[int], tuple[int, int]]]:
+        """Each text's ids, and how many of them the tokenizer added before and after the
+        text (its special tokens: a BOS, an EOS), which truncation keeps. Those are asked for
+        only where a prompt may be cut: the mask that tells them costs ~10% of the encoding."""
         if not texts:
             return []
-        return self.tokenizer(texts, add_special_tokens=special).input_ids
+        masked = special and self.config.truncate != "error"
+        encoded = self.tokenizer(
+            texts, add_special_tokens=special, return_special_tokens_mask=masked
+        )
+        if not masked:
+            return [(ids, (0, 0)) for ids in encoded.input_ids]
+        masks = encoded.special_tokens_mask
+        return [(ids, _added(mask)) for ids, mask in zip(encoded.input_ids, masks, strict=True)]
 
     def _render(self, index: int, values: dict[str, Any]) -> RowPrompt | _Rendered:
         """The row checked and its prompt text rendered, or its error row."""
@@ -267,8 +278,7 @@ class PromptBuilder:
             self._check_parts_rendered(messages, len(messages) - given, text)
             return self._checked(text), False
         if cfg.template is not None:
-            fields = {name: _field(values, name) for name in template_fields(cfg.template)}
-            text = cfg.template.format(**fields)
+            text = _fill(cfg.template, values)
         else:
             text = _value(values, cfg.text_column)
             if not isinstance(text, str):
@@ -375,9 +385,11 @@ class PromptBuilder:
             out[key] = value
         return out
 
-    def _truncate(self, ids: list[int], max_new_tokens: int) -> list[int]:
-        """A prompt over the context cut to leave room for max_new_tokens; ValueError where
-        that room leaves no prompt at all."""
+    def _truncate(self, ids: list[int], added: tuple[int, int], max_new_tokens: int) -> list[int]:
+        """A prompt over the context cut to leave room for max_new_tokens: its text's tokens
+        are cut and the special tokens the tokenizer added around them (added: how many before
+        and after, such as its BOS) kept, as Hugging Face truncates a text (and vLLM, which
+        truncates with it); ValueError where that room leaves none of the text."""
         mode = self.config.truncate
         if mode == "error" or len(ids) <= self.max_prompt_tokens:
             return ids
@@ -388,14 +400,30 @@ class PromptBuilder:
                 f"{context:,} (max_model_len), and truncate='right' would cut off the chat "
                 "template's turn for the reply: shorten the messages, or use truncate='left'"
             )
-        keep = context - max_new_tokens
+        before, after = added
+        keep = context - max_new_tokens - before - after  # of the text's own tokens
         if keep < 1:
+            beside = ""
+            if before + after:
+                beside = f" beside the {before + after} special token(s) the tokenizer adds"
             raise ValueError(
                 f"prompt has {len(ids):,} tokens and max_new_tokens={max_new_tokens:,} fills "
-                f"the whole context of {context:,} tokens (max_model_len), so truncating "
-                "would leave no prompt: lower max_new_tokens"
+                f"the whole context of {context:,} tokens (max_model_len){beside}, so "
+                "truncating would leave no prompt: lower max_new_tokens"
             )
-        return ids[-keep:] if mode == "left" else ids[:keep]
+        text = ids[before : len(ids) - after]
+        text = text[-keep:] if mode == "left" else text[:keep]
+        return ids[:before] + text + ids[len(ids) - after :]
+
+
+def _added(special_tokens_mask: list[int]) -> tuple[int, int]:
+    """How many of a text's ids the tokenizer added before and after it: the leading and
+    trailing 1s of its special tokens mask (a special token's text within the text is the
+    text's own, 0)."""
+    n = len(special_tokens_mask)
+    before = next((i for i, added in enumerate(special_tokens_mask) if not added), n)
+    after = next((i for i, added in enumerate(reversed(special_tokens_mask)) if not added), n)
+    return before, min(after, n - before)
 
 
 def _params(base: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
@@ -448,20 +476,23 @@ def chat_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tool_call(call: Any, index: int) -> dict[str, Any]:
-    """One assistant tool call with its arguments as a JSON object (none or "" as {})."""
+    """One assistant tool call with its arguments as a JSON object (missing, null or "" as {},
+    as vLLM takes them; any other value that is not an object, parsed or not, is refused)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or call.get("type", "function") != "function":
         raise ValueError(
             f'tool_calls[{index}] must be a function call: {{"type": "function", "function": '
             '{"name", "arguments"}}'
         )
-    arguments = function.get("arguments") or {}
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":
+        arguments = {}
     where = f"tool_calls[{index}].function.arguments"
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+            arguments = parse_json(arguments)
+        except ValueError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"{where} must be a JSON object, not {type(arguments).__name__}")
     return {**call, "function": {**function, "arguments": arguments}}
@@ -539,9 +570,9 @@ def _sampling_dict(value: Any, column: str | None) -> dict[str, Any]:
         return {}
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"column {column!r} is not a JSON object: {exc}") from exc
+            value = parse_json(value)
+        except ValueError as exc:
+            raise ValueError(f"column {column!r} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"column {column!r} must hold an object of sampling settings")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items() if v is not None}
@@ -564,6 +595,48 @@ def _field(values: dict[str, Any], column: str) -> Any:
             "(it would be written as Python's repr): put its text into a column of its own"
         )
     return value
+
+
+def _fill(template: str, values: dict[str, Any]) -> str:
+    """The template filled in with the row's values, field by field as str.format fills it;
+    ValueError naming the field whose value its conversion or format spec cannot take (a
+    value's own __format__ raises what it likes: OverflowError for {b:.2f} of an integer
+    too large for a float, TypeError for a spec a duration has no use for, ...)."""
+    formatter, out = string.Formatter(), []
+    for literal, name, spec, conversion in formatter.parse(template):
+        out.append(literal)
+        if name is None:
+            continue
+        value = _field(values, name)
+        try:
+            out.append(formatter.format_field(formatter.convert_field(value, conversion), spec))
+        except Exception as exc:
+            field = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(
+                f"template field {{{field}}} cannot format column {name!r}, which holds "
+                f"{type(value).__name__}: {first_line(exc)}; change the template's format spec "
+                "or the column's values"
+            ) from None
+    return "".join(out)
+
+
+def check_template_bos(config: PromptConfig, tokenizer: Any) -> None:
+    """ValueError where prompt.template's own text begins with the BOS token's text and the
+    tokenizer adds its own BOS: the model would see two in every row, so every row would be
+    an error row."""
+    if config.template is None:
+        return
+    head = ""  # the template's text before its first field: every prompt begins with it
+    for literal, name, _, _ in string.Formatter().parse(config.template):
+        head += literal
+        if name is not None:
+            break
+    if two_bos(tokenizer, head, tokenizer(head, add_special_tokens=True).input_ids):
+        raise ValueError(
+            f"prompt.template {config.template!r} begins with the BOS token "
+            f"{tokenizer.bos_token}, and the tokenizer adds its own, so the model would see two "
+            "and every row would be an error row: remove it from the template"
+        )
 
 
 def _str_id(value: Any) -> str:

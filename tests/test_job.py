@@ -259,6 +259,52 @@ def test_truncation_that_would_leave_no_prompt_is_an_error_row(
     assert result.summary.rows_error == 1 and result.summary.rows_ok == 1
 
 
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_truncation_keeps_the_special_tokens_the_tokenizer_adds(
+    model_dir, tmp_path: Path, mode: str
+) -> None:
+    """As Hugging Face truncates a text (and vLLM with it): the tokens the tokenizer adds around
+    the text (a BOS, an EOS) are kept and only the text's own tokens are cut, on the side asked
+    for; room for no more than them is an error row. A chat prompt, whose template writes its
+    BOS as text, is cut as vLLM cuts it: its last tokens, the BOS going with the start."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+    from tests.test_token_bytes import sentencepiece_style
+
+    llama = AutoTokenizer.from_pretrained(model_dir("llama"))
+    both = sentencepiece_style(tmp_path)  # made to add a BOS before the text and an EOS after
+    both.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    texts = {llama: " ".join(["word"] * 40), both: " ".join(["Héllo wörld"] * 20)}
+    for tokenizer, text in texts.items():
+        config = PromptConfig(truncate=mode)
+        builder = PromptBuilder(config, tokenizer, 19, SamplingParams(max_new_tokens=4))
+        row = builder.build(0, {"prompt": text})
+        tokenizer.truncation_side = mode
+        cut = tokenizer(text, truncation=True, max_length=16).input_ids  # context 20, less 4
+        assert row.error is None and row.prompt_ids == cut
+        assert cut[0] == tokenizer.bos_token_id != cut[1]
+        full = PromptBuilder(config, tokenizer, 19, SamplingParams(max_new_tokens=19))
+        added = 1 if tokenizer is llama else 2  # room for these only: none of the text
+        assert full.build(0, {"prompt": text}).error == (
+            f"prompt has {len(tokenizer(text).input_ids)} tokens and max_new_tokens=19 fills "
+            f"the whole context of 20 tokens (max_model_len) beside the {added} special "
+            "token(s) the tokenizer adds, so truncating would leave no prompt: lower "
+            "max_new_tokens"
+        )
+    assert cut[-1] == both.eos_token_id
+    chat = [{"role": "user", "content": texts[llama]}]
+    config = PromptConfig(truncate="left", messages_column="m")
+    row = PromptBuilder(config, llama, 19, SamplingParams(max_new_tokens=4)).build(0, {"m": chat})
+    rendered = llama.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(llama.bos_token)
+    assert row.prompt_ids == llama(rendered, add_special_tokens=False).input_ids[-16:]
+    assert llama.bos_token_id not in row.prompt_ids
+
+
 def test_summary_prompt_tokens_count_only_the_prompts_the_engine_ran(
     model_dir, tmp_path: Path
 ) -> None:
@@ -548,6 +594,53 @@ def test_tool_call_arguments_reach_the_chat_template_as_objects(model_dir) -> No
     assert "content must be text or a list of text parts, not none" in bare.error
 
 
+def test_tool_call_arguments_that_are_not_an_object_are_error_rows(model_dir) -> None:
+    """Only missing, null or empty arguments are {} (as vLLM takes them); any other value that
+    is not an object, falsy or not, is an error row, never {}; JSON text nested too deeply to
+    parse is an error row too, not the end of the job."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = TOOL_TEMPLATE
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    missing = tool_turns(None)
+    del missing[1]["tool_calls"][0]["function"]["arguments"]
+    empty = [missing, tool_turns(None), tool_turns("")]
+    refused = [tool_turns(value) for value in ([], 0, False, "[]", "0", [1])]
+    deep = tool_turns('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    rows = builder.build_many([(i, {"m": m}) for i, m in enumerate([*empty, *refused, deep])])
+    for row in rows[: len(empty)]:
+        assert row.error is None and '"arguments": {}}' in tokenizer.decode(row.prompt_ids)
+    kinds = ["list", "int", "bool", "list", "int", "list"]
+    for row, kind in zip(rows[len(empty) : -1], kinds, strict=True):
+        assert row.prompt_ids is None
+        assert row.error.endswith(f"arguments must be a JSON object, not {kind}"), row.error
+    assert rows[-1].error == (
+        "column 'm' message 1: tool_calls[0].function.arguments is not valid JSON: nested too "
+        "deeply"
+    )
+
+
+def test_json_text_nested_too_deeply_in_a_column_is_an_error_row(model_dir) -> None:
+    """As a JSONL line nested too deeply is: the parser's RecursionError is the row's error."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    deep = "[" * 100_000 + "]" * 100_000
+    config = PromptConfig(sampling_column="s", json_schema_column="j")
+    builder = PromptBuilder(config, tokenizer, 500, SamplingParams())
+    rows = [{"prompt": "a"}, {"prompt": "b", "s": '{"stop": ' + deep + "}"}]
+    rows += [{"prompt": "c", "j": '{"type": "object", "x": ' + deep + "}"}, {"prompt": "d"}]
+    first, sampling, schema, last = builder.build_many(list(enumerate(rows)))
+    assert first.error is None and last.error is None
+    assert sampling.error == "column 's' is not valid JSON: nested too deeply"
+    assert schema.prompt_ids is None and "json_schema=" in schema.error
+
+
 LLAMA3_STYLE = (  # renders content through a filter: a list would become its Python repr
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] | trim + '<|im_end|>' }}{% endfor %}"
@@ -790,6 +883,66 @@ def test_a_template_field_holding_a_list_or_object_is_an_error_row(
     assert ok["prompt_token_ids"] == tokenizer("Write 3 lines on rain.").input_ids
     assert "template field 'topic' holds list" in listed["error"]
     assert "template field 'topic' holds dict" in obj["error"]
+
+
+def test_a_template_field_whose_value_its_format_spec_cannot_take_is_an_error_row(
+    model_dir,
+) -> None:
+    """A value's own __format__ raises what it likes (OverflowError, TypeError, ...): the row
+    is an error row naming the field and the column, and the other rows run as str.format
+    renders them."""
+    import datetime
+
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    template = "v={b:.2f} c={c:c} d={d!s:>10} {{b}}"
+    builder = PromptBuilder(PromptConfig(template=template), tokenizer, 500, SamplingParams())
+    ok = {"b": 1.5, "c": 65, "d": datetime.timedelta(seconds=5)}
+    rows = [ok, {**ok, "b": 10**400}, {**ok, "c": -1}, {**ok, "d": "x"}, ok]
+    good, overflow, char, text, again = builder.build_many(list(enumerate(rows)))
+    assert good.error is None and text.error is None and good.prompt_ids == again.prompt_ids
+    assert good.prompt_ids == tokenizer(template.format(**ok)).input_ids
+    assert overflow.prompt_ids is None and overflow.error == (
+        "template field {b:.2f} cannot format column 'b', which holds int: OverflowError: int "
+        "too large to convert to float; change the template's format spec or the column's values"
+    )
+    assert char.error.startswith("template field {c:c} cannot format column 'c', which holds int")
+    timed = PromptBuilder(PromptConfig(template="{d:>10}"), tokenizer, 500, SamplingParams())
+    (row,) = timed.build_many([(0, {"d": datetime.timedelta(seconds=5)})])
+    assert row.error.startswith(
+        "template field {d:>10} cannot format column 'd', which holds timedelta: TypeError: "
+    )
+
+
+def test_a_template_that_begins_with_the_bos_token_is_refused_up_front(
+    model_dir, tmp_path: Path
+) -> None:
+    """The tokenizer adds its own BOS before the template's: every row would be an error row,
+    so the job is refused in one line before any output. A tokenizer that adds none takes it."""
+    from batchgen.prompts import PromptConfig, check_template_bos
+    from tests.test_token_bytes import sentencepiece_style
+
+    model = model_dir("llama")
+    tokenizer = Engine(model, EngineConfig(device="cpu")).tokenizer
+    template = tokenizer.bos_token + "Q: {q}"
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"q": "a"}, {"q": "b"}])
+    spec = spec_for(model, inp, tmp_path / "out", f"prompt.template={json.dumps(template)}")
+    with pytest.raises(BatchgenError) as refused:
+        run_job(spec)
+    assert str(refused.value) == (
+        f"prompt.template {template!r} begins with the BOS token {tokenizer.bos_token}, and the "
+        "tokenizer adds its own, so the model would see two and every row would be an error "
+        "row: remove it from the template"
+    )
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    ok = spec_for(
+        model, inp, tmp_path / "ok", "prompt.template='Q: {q}'", "sampling.max_new_tokens=2"
+    )
+    assert run_job(ok).summary.rows_ok == 2
+    check_template_bos(PromptConfig(template="<s>Q: {q}"), sentencepiece_style(tmp_path))
 
 
 def test_jsonl_output_writes_dates_bytes_and_decimals_as_json_does(

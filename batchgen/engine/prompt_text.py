@@ -18,16 +18,21 @@ def check_one_bos(tokenizer: Any, text: str, ids: list[int], instead: str) -> No
     """ValueError where the text begins with the BOS token's text and the tokenizer added its
     own BOS before it (ids: the text's ids with special tokens), so the model would see two.
     instead: what else to pass, named in the message."""
+    if two_bos(tokenizer, text, ids):
+        raise ValueError(
+            f"the prompt text already begins with the BOS token {tokenizer.bos_token}, and the "
+            f"tokenizer adds another: remove it from the text, or {instead}"
+        )
+
+
+def two_bos(tokenizer: Any, text: str, ids: list[int]) -> bool:
+    """Whether the text begins with the BOS token's text and the tokenizer added its own BOS
+    before it (ids: the text's ids with special tokens)."""
     bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
     if not isinstance(bos, str) or not bos or bos_id is None or not text.startswith(bos):
-        return
-    in_text = _leading(text, bos)
+        return False
     in_ids = next((i for i, token in enumerate(ids) if token != bos_id), len(ids))
-    if in_ids > in_text:
-        raise ValueError(
-            f"the prompt text already begins with the BOS token {bos}, and the tokenizer adds "
-            f"another: remove it from the text, or {instead}"
-        )
+    return in_ids > _leading(text, bos)
 
 
 def _leading(text: str, piece: str) -> int:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from batchgen.json_text import parse_json
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -239,7 +241,7 @@ def _schema_ok(schema: Any) -> bool:
     if not isinstance(schema, str):
         return False
     try:
-        return isinstance(json.loads(schema), dict)
+        return isinstance(parse_json(schema), dict)
     except ValueError:
         return False
 

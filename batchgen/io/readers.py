@@ -48,6 +48,7 @@ from batchgen.io.input_names import (
 )
 from batchgen.io.output_schema import common_type
 from batchgen.io.remote_input import find_objects
+from batchgen.json_text import parse_json
 
 if TYPE_CHECKING:
     from batchgen.row_share import RankRows
@@ -658,11 +659,9 @@ def parse_json_line(raw: bytes, where: str) -> Parsed:
         byte = raw[exc.start]
         return None, f"{where}: not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})"
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"{where}: malformed JSON: {exc.msg} at column {exc.colno}"
-    except RecursionError:
-        return None, f"{where}: malformed JSON: nested too deeply"
+        obj = parse_json(text)
+    except ValueError as exc:
+        return None, f"{where}: malformed JSON: {exc}"
     if not isinstance(obj, dict):
         kind = _JSON_KINDS.get(type(obj)) or json.dumps(obj)  # true, false, null
         return None, f"{where}: expected a JSON object, got {kind}"
