@@ -129,6 +129,16 @@ def test_jsonl_errors_in_a_folder_name_the_file(tmp_path: Path) -> None:
     assert rows[3].error == "b.jsonl line 3: expected a JSON object, got a number"
 
 
+def test_a_first_line_nested_too_deeply_is_an_error_row(tmp_path: Path) -> None:
+    """Telling JSON Lines from one JSON document parses the first line: one nested past
+    Python's recursion limit is a bad line (an error row), never a crash of the job."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100_000 + "]" * 100_000 + '\n{"prompt": "hi"}\n')
+    rows = read_all(path, ["prompt"])
+    assert rows[0] == RawRow(0, None, f"{path} line 1: malformed JSON: nested too deeply")
+    assert rows[1] == RawRow(1, {"prompt": "hi"}, None)
+
+
 def test_jsonl_projection_num_rows_without_final_newline_and_bom(tmp_path: Path) -> None:
     path = tmp_path / "d.ndjson"
     path.write_bytes(b'\xef\xbb\xbf{"id": "a", "p": 1}\n\n{"id": "b"}')  # BOM, no final newline

@@ -582,6 +582,8 @@ def _is_json_document(head: bytes) -> bool:
         json.loads(first)
     except ValueError:  # an array over several lines (or not JSON at all: a document anyway)
         return True
+    except RecursionError:  # a whole line nested too deeply to parse: a bad line of JSON Lines
+        pass
     return not rest.strip()  # an array alone on its line is the whole file
 
 
