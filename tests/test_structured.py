@@ -346,9 +346,29 @@ def test_an_output_whose_number_cannot_be_read_is_an_error_not_a_crash() -> None
     ):
         problem = output_problem(spec, f'{{"a":{huge}}}')
         assert problem is not None and "could not be checked" in problem
+    long = "1" * 5000  # valid JSON past Python's digit limit for int(): not "invalid JSON"
+    problem = output_problem(GrammarSpec("json_schema", "{}"), f'{{"a":{long}}}')
+    assert problem == "the output holds a number too large to be read, so it could not be checked"
     choice = GrammarSpec("choice", json.dumps(list(CHOICES)))
     assert output_problem(choice, CHOICES[2]) is None
     assert output_problem(choice, "maybe") == "the output is not one of the choices"
+
+
+def test_integer_bounds_beyond_64_bits_are_refused_before_any_output() -> None:
+    """The grammar engine enforces integers of 64 bits: a range past them would be clamped
+    and written outside (every row an error row, or a wrong number); refused up front, at any
+    depth, while bounds within 64 bits (and huge bounds of plain numbers) are taken."""
+    for bounds in ({"minimum": 10**19, "maximum": 10**19 + 5}, {"exclusiveMaximum": -(2**63) - 1}):
+        schema = {"type": "object", "properties": {"n": {"type": ["integer", "null"], **bounds}}}
+        problem = output_check.unchecked_problem(GrammarSpec("json_schema", json.dumps(schema)))
+        assert problem is not None
+        assert problem.startswith("its integer bound ") and "64-bit integers" in problem
+    fine = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+    number = {"type": "number", "maximum": 1e300}
+    for schema in (fine, number):
+        assert (
+            output_check.unchecked_problem(GrammarSpec("json_schema", json.dumps(schema))) is None
+        )
 
 
 @pytest.mark.parametrize(

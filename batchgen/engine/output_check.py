@@ -38,9 +38,10 @@ def output_problem(spec: GrammarSpec, text: str) -> str | None:
         return None if text in json.loads(spec.source) else "the output is not one of the choices"
     try:
         value = json.loads(text, parse_float=Decimal)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return f"the output is not valid JSON ({' '.join(str(exc).split())[:200]})"
-    except ArithmeticError:  # a number whose exponent Decimal cannot hold: valid JSON, no check
+    except (ValueError, ArithmeticError):  # valid JSON, no check: an integer past Python's
+        # digit limit for int(), a number whose exponent Decimal cannot hold
         return "the output holds a number too large to be read, so it could not be checked"
     if spec.kind == "json_object":
         return None if isinstance(value, dict) else "the output is not a JSON object"
@@ -61,7 +62,15 @@ def unchecked_problem(spec: GrammarSpec) -> str | None:
     right outputs into error rows, or stop the check, so its schema is refused up front."""
     if spec.kind != "json_schema":
         return None
-    for pattern in _patterns(json.loads(spec.source)):
+    schema = json.loads(spec.source)
+    for key, bound in _integer_bounds(schema):
+        if not -(2**63) <= bound <= 2**63 - 1:
+            return (
+                f"its integer bound {key} = {bound} is beyond the 64-bit integers the grammar "
+                "engine enforces (it would clamp the range and write integers outside it): keep "
+                "integer bounds within -2^63 .. 2^63-1"
+            )
+    for pattern in _patterns(schema):
         try:
             nested = _set_in_set(pattern)
             if nested is not None:  # Python reads it otherwise (and warns of a nested set)
@@ -120,6 +129,28 @@ def _patterns(schema: Any) -> Iterator[str]:
             yield from _patterns(list(value.values()))
         elif key not in DATA_KEYWORDS:
             yield from _patterns(value)
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integer_bounds(schema: Any) -> Iterator[tuple[str, int | float]]:
+    """(keyword, value) of every bound of an integer-typed schema, at any depth (not inside
+    const, enum, default or examples, which hold data)."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _integer_bounds(item)
+    if not isinstance(schema, dict):
+        return
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        for key in _BOUNDS:
+            value = schema.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield key, value
+    for key, value in schema.items():
+        if key not in DATA_KEYWORDS:
+            yield from _integer_bounds(value)
 
 
 def _line(exc: object) -> str:
