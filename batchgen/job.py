@@ -369,7 +369,9 @@ def check_model_before_load(spec: JobSpec) -> None:
 
 
 def previous_run(layout: OutputLayout, force: bool | None) -> Manifest | None:
-    """The manifest of an earlier run, or None for a new (or, with force, adopted) directory."""
+    """The manifest of an earlier run, or None for a new (or, with force, adopted) directory.
+    A directory holding files but no batchgen job is refused, with force too: its files are
+    the user's, and a run would write over them."""
     out = layout.dir
     try:
         manifest = read_manifest(layout)
@@ -379,9 +381,11 @@ def previous_run(layout: OutputLayout, force: bool | None) -> Manifest | None:
         raise BatchgenError(
             f"output directory '{out}': {exc}: {_keep_shards(layout, force)}"
         ) from exc
-    if manifest is not None or force:
+    if manifest is not None:
         return manifest
     if layout.shard_paths():
+        if force:  # a batchgen job's shards without its manifest: adopted
+            return None
         raise BatchgenError(
             f"output directory '{out}' holds shards but no {layout.manifest.name}: "
             f"{_keep_shards(layout, force)}"
@@ -390,6 +394,7 @@ def previous_run(layout: OutputLayout, force: bool | None) -> Manifest | None:
         raise BatchgenError(
             f"output directory '{out}' is not empty and holds no batchgen job: "
             "choose a new or empty directory"
+            + (" (--force-resume adopts only a batchgen job's shards)" if force else "")
         )
     return None
 

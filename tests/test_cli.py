@@ -70,6 +70,35 @@ def test_missing_model_and_busy_output_dir(tmp_path: Path, prompts: Path) -> Non
     (busy / "notes.txt").write_text("x")
     code, output = invoke("run", "--input", str(prompts), "--output", str(busy))
     assert code == 2 and "holds no batchgen job" in output
+    (busy / "summary.json").write_text("mine")  # a name a job writes: never written over
+    for command in ("validate", "run"):
+        code, output = invoke(
+            command, "--input", str(prompts), "--output", str(busy), "--force-resume"
+        )
+        assert code == 2 and "holds no batchgen job" in output, output
+        assert "--force-resume adopts only a batchgen job's shards" in output
+    assert (busy / "summary.json").read_text() == "mine" and not (busy / "job.json").exists()
+
+
+def test_a_model_folder_whose_config_is_not_a_json_object_is_one_line(
+    tmp_path: Path, prompts: Path, model_dir
+) -> None:
+    """A damaged or hand-edited config.json: validate and run say so in one line (exit 2),
+    before anything reads its fields."""
+    import shutil
+
+    for text, why in (("{bad", "is not valid JSON ("), ("[]", "is not a JSON object")):
+        model = tmp_path / "model"
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.copytree(model_dir("llama"), model)
+        (model / "config.json").write_text(text)
+        for command in ("validate", "run"):
+            args = ("--model", str(model), "--input", str(prompts))
+            code, output = invoke(command, *args, "--output", str(tmp_path / "out"))
+            assert code == 2, output
+            assert f"model folder '{model}': config.json {why}" in output
+            assert "replace it with the model's own" in output
+        assert not (tmp_path / "out").exists()
 
 
 def test_validate_prints_the_resolved_spec(prompts: Path, tmp_path: Path) -> None:

@@ -16,7 +16,13 @@ def resolve_model_path(model: str | Path) -> str:
     if str(model) == DEFAULT_MODEL:
         from batchgen.models import default_model_path
 
-        return str(default_model_path())
+        path = default_model_path()
+        _check_config(
+            path,
+            f"the embedded default model's folder '{path}'",
+            "remove the folder, and batchgen builds it again",
+        )
+        return str(path)
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -24,6 +30,7 @@ def resolve_model_path(model: str | Path) -> str:
                 f"model folder '{model}' has no config.json: give a Hugging Face "
                 "model folder (saved with save_pretrained)"
             )
+        _check_config(path, f"model folder '{model}'", "replace it with the model's own")
         return str(path)
     text = str(model)
     if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
@@ -32,6 +39,21 @@ def resolve_model_path(model: str | Path) -> str:
             "a hub id, or 'default' for the embedded model"
         )
     return text
+
+
+def _check_config(folder: Path, what: str, fix: str) -> None:
+    """BatchgenError where the folder's config.json is not a JSON object (a damaged or
+    hand-edited file), before anything reads its fields."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BatchgenError(f"{what}: cannot read config.json ({exc.strerror})") from exc
+    except ValueError as exc:
+        raise BatchgenError(
+            f"{what}: config.json is not valid JSON ({' '.join(str(exc).split())[:120]}): {fix}"
+        ) from exc
+    if not isinstance(config, dict):
+        raise BatchgenError(f"{what}: config.json is not a JSON object: {fix}")
 
 
 def check_max_model_len(max_model_len: int | None, limit: int) -> None:
