@@ -120,8 +120,9 @@ def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> Any:
-    from batchgen.spec import load_spec
+    from batchgen.spec import check_distinct_overrides, load_spec
 
+    check_distinct_overrides(list(sets))
     values = {
         key: shortcuts[name] for name, key in SHORTCUTS.items() if shortcuts.get(name) is not None
     }

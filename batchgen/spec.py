@@ -244,6 +244,18 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
             values[key] = os.path.normpath(joined)
 
 
+def check_distinct_overrides(items: list[str]) -> None:
+    """Two --set of one key: which was meant is not clear (the later would win silently)."""
+    seen: dict[str, str] = {}
+    for item in items:
+        key = ".".join(part.strip() for part in item.partition("=")[0].split(".", 1))
+        if key in seen:
+            raise BatchgenError(
+                f"{key} is given twice (--set {seen[key]!r} and --set {item!r}): give it once"
+            )
+        seen[key] = item
+
+
 def apply_override(table: dict[str, Any], item: str) -> str:
     """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
     key, sep, raw = item.partition("=")

@@ -31,6 +31,11 @@ def prompts(tmp_path: Path) -> Path:
         (["--set", "sampling.temprature=0.5"], "unknown key sampling.temprature"),
         (["--set", "sampling.top_p=0"], "top_p=0.0 must be in (0, 1]"),
         (["--set", "runtime.max_num_seqs='many'"], "runtime.max_num_seqs = 'many'"),
+        (
+            ["--set", "sampling.max_new_tokens=5", "--set", "sampling .max_new_tokens=6"],
+            "sampling.max_new_tokens is given twice (--set 'sampling.max_new_tokens=5' and "
+            "--set 'sampling .max_new_tokens=6'): give it once",
+        ),
     ],
 )
 def test_user_errors_are_one_line(

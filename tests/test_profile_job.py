@@ -111,7 +111,13 @@ def test_report_errors_are_one_line(profiled, tmp_path: Path) -> None:
         ([str(tmp_path)], f"no profile records in {tmp_path}: run the job with --profile"),
         ([str(tmp_path / "none")], "does not exist"),
         ([str(profiled[0]), "--run", "nope"], "no profile records of run 'nope'"),
+        (
+            [str(profiled[0]), "--out", str(tmp_path / "a-file" / "x")],
+            f"cannot write the report into '{tmp_path / 'a-file' / 'x'}' (Not a directory): "
+            "give a writable folder with --out",
+        ),
     ):
+        (tmp_path / "a-file").write_text("not a folder")
         result = CliRunner().invoke(main, ["report", *args])
         assert result.exit_code == 2 and message in result.output
         assert len(result.output.strip().splitlines()) == 1

@@ -65,12 +65,18 @@ def write_report(out_dir: Path, out: Path | None = None, run: str | None = None,
     info, records = read_records(path)
     result = attribute(records, info)
     folder = path.parent if out is None else Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     timeline = OutputLayout.profile_timeline(folder, info.run)
     trace = OutputLayout.profile_trace(folder, info.run)
     picture = draw_timeline(records, result, info)
-    write_atomic(timeline, lambda f: f.write(picture))
-    write_trace(trace, chrome_trace(records, result, info))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(timeline, lambda f: f.write(picture))
+        write_trace(trace, chrome_trace(records, result, info))
+    except OSError as exc:
+        raise BatchgenError(
+            f"cannot write the report into '{folder}' ({exc.strerror or type(exc).__name__}): "
+            "give a writable folder with --out"
+        ) from exc
     others = len(OutputLayout(Path(out_dir)).profile_runs()) - 1
     lines = [*render(records, result, info, top), f"timeline: {timeline}"]
     lines.append(f"trace: {trace} (open it in Perfetto or chrome://tracing)")
