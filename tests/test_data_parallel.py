@@ -58,9 +58,14 @@ def sets_for(job: Job, out: Path, quiet: bool = True) -> list[str]:
     ]
 
 
-def command(job: Job, out: Path, *launcher: str, quiet: bool = True) -> list[str]:
-    """`batchgen run` for the job (launcher: e.g. torchrun and its options, before -m)."""
-    args = [a for s in sets_for(job, out, quiet) for a in ("--set", s)]
+def command(
+    job: Job, out: Path, *launcher: str, quiet: bool = True, sets: tuple[str, ...] = ()
+) -> list[str]:
+    """`batchgen run` for the job (launcher: e.g. torchrun and its options, before -m); sets
+    replace the job's settings of their keys (two --set of one key are refused)."""
+    keys = {item.partition("=")[0] for item in sets}
+    base = [item for item in sets_for(job, out, quiet) if item.partition("=")[0] not in keys]
+    args = [a for s in (*base, *sets) for a in ("--set", s)]
     head = [*launcher, "-m"] if launcher else [sys.executable, "-m"]
     return [*head, "batchgen", "run", *args]
 
@@ -116,8 +121,8 @@ def start_two_committing(
 ) -> tuple[subprocess.Popen, list[str]]:
     """`--gpus 2` on a long job (60x the tokens, one sequence at a time), once each rank has
     committed a shard -> the launcher, and the command that resumes the job."""
-    longer = ["--set", "sampling.max_new_tokens=64", "--set", "sampling.ignore_eos=true"]
-    cmd = [*command(job, out), *longer, "--set", "runtime.max_num_seqs=1"]
+    longer = ("sampling.max_new_tokens=64", "sampling.ignore_eos=true", "runtime.max_num_seqs=1")
+    cmd = command(job, out, sets=longer)
     launcher = start(started, [*cmd, "--gpus", "2"], **env())
     deadline = time.monotonic() + 600  # a safety net for a hung start, not a condition
     while not (shards_of(out, 0) and shards_of(out, 1)):
@@ -397,7 +402,7 @@ def test_a_network_interface_that_is_not_there_is_one_line_on_every_rank(job, tm
 def test_a_rank_that_waits_alone_stops_naming_the_ranks_that_did_not_come(job, tmp_path, started):
     """Rank 0 of 3 started alone: once runtime.rank_timeout_s is over it stops with one line
     naming ranks 1 and 2 (exit 2)."""
-    cmd = [*command(job, tmp_path / "out"), "--set", "runtime.rank_timeout_s=1"]
+    cmd = command(job, tmp_path / "out", sets=("runtime.rank_timeout_s=1",))
     base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
     rank = start(started, cmd, **base, RANK="0")
     _, stderr = rank.communicate(timeout=300)
@@ -469,7 +474,7 @@ def test_a_rank_that_cannot_reach_the_store_says_so_in_one_line(job, tmp_path, s
     """Rank 1 of 2 pointed at a port where no store listens: once runtime.rank_timeout_s is
     over it stops with batchgen's line alone (exit 2); torch's C++ log lines (a stack per try
     to connect) are off in a rank unless TORCH_CPP_LOG_LEVEL is set."""
-    cmd = [*command(job, tmp_path / "out"), "--set", "runtime.rank_timeout_s=2"]
+    cmd = command(job, tmp_path / "out", sets=("runtime.rank_timeout_s=2",))
     base = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     base.pop("TORCH_CPP_LOG_LEVEL", None)
     rank = start(started, cmd, **base, RANK="1")
