@@ -245,10 +245,14 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
 
 
 def check_distinct_overrides(items: list[str]) -> None:
-    """Two --set of one key: which was meant is not clear (the later would win silently)."""
+    """Two --set of one key: which was meant is not clear (the later would win silently).
+    A malformed item is left to apply_override to name."""
     seen: dict[str, str] = {}
     for item in items:
-        key = ".".join(part.strip() for part in item.partition("=")[0].split(".", 1))
+        parts = _override_parts(item)
+        if parts is None:
+            continue
+        key = f"{parts[0]}.{parts[1]}"
         if key in seen:
             raise BatchgenError(
                 f"{key} is given twice (--set {seen[key]!r} and --set {item!r}): give it once"
@@ -256,13 +260,21 @@ def check_distinct_overrides(items: list[str]) -> None:
         seen[key] = item
 
 
-def apply_override(table: dict[str, Any], item: str) -> str:
-    """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
+def _override_parts(item: str) -> tuple[str, str, str] | None:
+    """`section.key=value` -> (section, key, the value's text); None where it is not so."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
+        return None
+    return section.strip(), name.strip(), raw
+
+
+def apply_override(table: dict[str, Any], item: str) -> str:
+    """Apply one `section.key=value` (a TOML value, or a bare word) -> "section.key"."""
+    parts = _override_parts(item)
+    if parts is None:
         raise BatchgenError(f"--set {item!r}: use section.key=value, e.g. sampling.temperature=0.7")
-    section, name = section.strip(), name.strip()
+    section, name, raw = parts
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError as exc:

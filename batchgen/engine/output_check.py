@@ -113,44 +113,41 @@ def _set_in_set(pattern: str) -> str | None:
     return None
 
 
-def _patterns(schema: Any) -> Iterator[str]:
-    """Every regex of a schema: "pattern" values and "patternProperties" keys, at any depth
-    (not inside const, enum, default or examples, which hold data)."""
+def _nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object of a schema, at any depth (not inside const, enum, default or examples,
+    which hold data)."""
     if isinstance(schema, list):
         for item in schema:
-            yield from _patterns(item)
+            yield from _nodes(item)
     if not isinstance(schema, dict):
         return
+    yield schema
     for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str):
-            yield value
-        elif key == "patternProperties" and isinstance(value, dict):
-            yield from value
-            yield from _patterns(list(value.values()))
-        elif key not in DATA_KEYWORDS:
-            yield from _patterns(value)
+        if key not in DATA_KEYWORDS:
+            yield from _nodes(value)
+
+
+def _patterns(schema: Any) -> Iterator[str]:
+    """Every regex of a schema: "pattern" values and "patternProperties" keys."""
+    for node in _nodes(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from node["patternProperties"]
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _integer_bounds(schema: Any) -> Iterator[tuple[str, int | float]]:
-    """(keyword, value) of every bound of an integer-typed schema, at any depth (not inside
-    const, enum, default or examples, which hold data)."""
-    if isinstance(schema, list):
-        for item in schema:
-            yield from _integer_bounds(item)
-    if not isinstance(schema, dict):
-        return
-    kind = schema.get("type")
-    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
-        for key in _BOUNDS:
-            value = schema.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                yield key, value
-    for key, value in schema.items():
-        if key not in DATA_KEYWORDS:
-            yield from _integer_bounds(value)
+    """(keyword, value) of every bound of an integer-typed schema."""
+    for node in _nodes(schema):
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+            for key in _BOUNDS:
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield key, value
 
 
 def _line(exc: object) -> str:

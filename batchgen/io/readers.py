@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 OPENAI_BATCH = "openai-batch"  # request lines, read by batchgen.formats.openai_batch
 FORMATS = ("auto", "parquet", "jsonl", "arrow", "hub", OPENAI_BATCH)
+DEFAULT_SPLIT = "train"
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet"} | dict.fromkeys(
     (".jsonl", ".json", ".ndjson"), "jsonl"
 )
@@ -87,7 +88,7 @@ class InputConfig:
     format: str = "auto"  # auto | parquet | jsonl | arrow (save_to_disk) | hub | openai-batch
     # for save_to_disk DatasetDict folders and hub datasets; another name on an input without
     # splits is refused, never ignored
-    split: str = "train"
+    split: str = DEFAULT_SPLIT
     batch_rows: int = 1024  # rows per record batch
 
     def __post_init__(self) -> None:
@@ -179,8 +180,7 @@ def open_input(config: InputConfig) -> InputSource:
 def check_no_split(config: InputConfig, what: str) -> None:
     """BatchgenError where the job names a split (input.split other than the default) of an
     input that has none (`what` has no splits): its rows would not be that split's."""
-    default = InputConfig.__dataclass_fields__["split"].default
-    if config.split != default:
+    if config.split != DEFAULT_SPLIT:
         raise BatchgenError(
             f"input.split = {config.split!r}, but {what} no splits (only a datasets."
             "save_to_disk DatasetDict folder or a hub dataset has): remove input.split"
