@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 import click
 
-from batchgen.errors import BatchgenError, JobStopped
+from batchgen.__main__ import INTERRUPTED
+from batchgen.errors import BatchgenError, JobStopped, lead_reports
 from batchgen.home import logs_dir
 from batchgen.process_start import heavy_imports, prepare_imports
 
@@ -40,7 +41,10 @@ SHORTCUTS = {
 
 
 def _fail(exc: BaseException) -> None:
-    click.echo(f"batchgen: error: {_one_line(str(exc))}", err=True)
+    from batchgen.distributed import LAUNCHED
+
+    if not (getattr(exc, "lead_reports", False) and os.environ.get(LAUNCHED)):
+        click.echo(f"batchgen: error: {_one_line(str(exc))}", err=True)
     sys.exit(EXIT_INCOMPLETE if isinstance(exc, JobStopped) else EXIT_USER_ERROR)
 
 
@@ -58,8 +62,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except BatchgenError as exc:
             _fail(exc)
-        except KeyboardInterrupt:
-            click.echo(f"\n{ABORTED}", err=True)
+        except KeyboardInterrupt:  # only a run has rows to keep
+            click.echo(f"\n{ABORTED if fn.__name__ == 'run' else INTERRUPTED}", err=True)
             sys.exit(128 + signal.SIGINT)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
@@ -188,7 +192,10 @@ def run(
     )
     server = _start_engine_server(place)  # before the spec: its imports start at once
     try:
-        spec = _load(job, sets + flags, shortcuts)
+        try:
+            spec = _load(job, sets + flags, shortcuts)
+        except BatchgenError as exc:  # every rank reads the same spec: rank 0 says what is wrong
+            raise exc if lead else lead_reports(exc) from None
         server = _early_engine_server(spec, place, server)
         stop = threading.Event()
         received: list[int] = []

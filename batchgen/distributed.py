@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from batchgen.errors import BatchgenError, JobStopped
+from batchgen.errors import BatchgenError, JobStopped, lead_reports
 from batchgen.row_share import RowShare
 
 if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs none of it
@@ -165,13 +165,17 @@ class Group:
         if failed:
             first, why = failed[0]
             if first == self.rank and own is not None:
-                raise own
+                if isinstance(own, BatchgenError) and self.rank != 0:
+                    raise lead_reports(own)
+                raise own  # an internal error: this rank's traceback, in its own log
             if why.user:
-                raise BatchgenError(why.message)  # the same line on every rank
-            raise JobStopped(
-                f"rank {first} stopped with an internal error ({why.message[:200]}); its log "
-                "holds the traceback"
-            )
+                error = BatchgenError(why.message)  # the same line on every rank
+            else:
+                error = JobStopped(
+                    f"rank {first} stopped with an internal error ({why.message[:200]}); its "
+                    "log holds the traceback"
+                )
+            raise error if self.rank == 0 else lead_reports(error)
         return [v for _, v in items] if send else value
 
     def exchange(self, item: Any) -> list[Any]:

@@ -2,7 +2,22 @@
 
 
 class BatchgenError(Exception):
-    """A problem with what the user asked for: the message says what was wrong and what to do."""
+    """A problem with what the user asked for: the message says what was wrong and what to do.
+
+    lead_reports: every rank of a data-parallel job raised it alike (a step they agreed on,
+    the spec they all read). The ranks `batchgen run --gpus N` starts share its stderr, so
+    there the command line prints it on rank 0 only and the other ranks exit with its status
+    silently; under torchrun, whose ranks may each have a log of their own, every rank
+    prints it.
+    """
+
+    lead_reports = False
+
+
+def lead_reports(exc: BatchgenError) -> BatchgenError:
+    """exc, marked as one rank 0 prints for every rank (BatchgenError.lead_reports)."""
+    exc.lead_reports = True
+    return exc
 
 
 def check_field(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -21,7 +21,12 @@ from tqdm import tqdm
 
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
-from batchgen.engine.model_path import check_max_model_len, model_context, resolve_model_path
+from batchgen.engine.model_path import (
+    check_max_model_len,
+    model_context,
+    model_vocab,
+    resolve_model_path,
+)
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.client import EngineProcess, EngineServer, RemoteRecorder
 from batchgen.engine.remote.placement import off_cores
@@ -203,8 +208,9 @@ def run_job(
     note = note or _to_stderr
     started = time.perf_counter()
     source = check_job(spec, source)
-    if engine is None:
-        resolve_model_path(spec.model.path)  # a missing model folder fails before any output
+    if engine is None:  # a missing model folder, a setting it cannot take: before any output
+        resolve_model_path(spec.model.path)
+        check_model_before_load(spec)
     layout = OutputLayout(spec.output.dir)
     with output_lock(layout) as lock:
         previous, current = check_output_dir(spec, layout, source, force_resume)
@@ -360,12 +366,42 @@ def check_output_dir_before_lock(spec: JobSpec, source: InputSource, force: bool
 
 
 def check_model_before_load(spec: JobSpec) -> None:
-    """What loading the model would refuse first, found without loading it: a local model
-    path that does not exist, a max_model_len over the context its config.json gives (the
-    embedded default's: the shape it is built with; it is not built here)."""
+    """What loading the model would refuse at start, found without loading it from the spec
+    and the model's config.json (the embedded default's context: the shape it is built
+    with; it is not built here): a local model path that does not exist, a max_model_len over
+    the model's context, an unchunked step budget under it, a num_kv_blocks too small for the
+    start-up check, [sampling] stop_token_ids outside the vocabulary, a structured output that
+    cannot compile. What needs the model itself (its tokenizer, its forward pass) stays with
+    the run."""
+    from batchgen.engine.config import DEFAULT_BLOCK_SIZE, check_prefill_budget
+    from batchgen.engine.grammar import check_grammar, grammar_spec
+    from batchgen.engine.probe_requests import check_probe_room, probe_tokens
+    from batchgen.engine.request import outside_vocab, stop_id_problem
+
+    config = spec.engine
     limit = model_context(spec.model.path)
     if limit is not None:
-        check_max_model_len(spec.engine.max_model_len, limit)
+        check_max_model_len(config.max_model_len, limit)
+        max_model_len = config.max_model_len or limit
+        check_prefill_budget(config, max_model_len)
+        # an FP8 cache's unset block size depends on the GPU: left to the run
+        block_size = config.block_size or (
+            DEFAULT_BLOCK_SIZE if config.kv_cache_dtype != "fp8" else None
+        )
+        if config.check_model and config.num_kv_blocks is not None and block_size is not None:
+            check_probe_room(config.num_kv_blocks, block_size, probe_tokens(max_model_len))
+    sampling = spec.sampling
+    vocab = model_vocab(spec.model.path)
+    if vocab is not None and sampling.stop_token_ids:
+        bad = outside_vocab(sampling.stop_token_ids, vocab)
+        if bad is not None:
+            raise BatchgenError(f"[sampling] {stop_id_problem(bad, vocab)}")
+    grammar = grammar_spec(sampling)
+    if grammar is not None:
+        try:
+            check_grammar(grammar)
+        except ValueError as exc:
+            raise BatchgenError(f"[sampling] {exc}") from None
 
 
 def previous_run(layout: OutputLayout, force: bool | None) -> Manifest | None:

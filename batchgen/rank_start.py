@@ -37,6 +37,7 @@ from batchgen.io.object_lock import OutputLock
 from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
     check_job,
+    check_model_before_load,
     check_resumable,
     claim,
     load_engine,
@@ -82,6 +83,7 @@ def start_rank(
         mine = dataclasses.replace(spec, engine=distributed.engine_config(spec.engine, group.place))
         source = check_job(mine)
         resolve_model_path(spec.model.path)
+        check_model_before_load(mine)
         previous = None
         if lock is not None:
             lock.acquire()

@@ -178,7 +178,8 @@ def load_spec(
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise BatchgenError(f"job file '{path}' does not exist")
+            what = "is not a file" if file.exists() else "does not exist"
+            raise BatchgenError(f"job file '{path}' {what}: give a TOML job file")
         try:
             table = tomllib.loads(file.read_bytes().decode("utf-8"))
         except UnicodeDecodeError as exc:

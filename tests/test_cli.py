@@ -199,6 +199,23 @@ def test_validate_refuses_what_run_refuses_before_model_work(
             "--set",
             "runtime.max_model_len=65",
         ],
+        "needs max_num_batched_tokens (32) >= max_model_len (64)": [
+            *("--output", str(tmp_path / "o3"), "--set", "runtime.max_num_seqs=8"),
+            *("--set", "runtime.enable_chunked_prefill=false"),
+            *("--set", "runtime.max_num_batched_tokens=32"),
+        ],
+        "num_kv_blocks=2 is too small": [
+            *("--output", str(tmp_path / "o4"), "--set", "runtime.num_kv_blocks=2"),
+        ],
+        "stop_token_ids holds 100000, outside the model's vocabulary": [
+            *("--output", str(tmp_path / "o5"), "--set", "sampling.stop_token_ids=[3, 100000]"),
+        ],
+        "regex cannot be compiled": [
+            *("--output", str(tmp_path / "o6"), "--set", "sampling.regex='(ab'"),
+        ],
+        "json_schema cannot be compiled": [
+            *("--output", str(tmp_path / "o7"), "--set", """sampling.json_schema='{"type":"x"}'"""),
+        ],
     }
     if os.geteuid() != 0:  # root writes into a folder without write permission
         (tmp_path / "ro").mkdir(mode=0o500)
@@ -232,6 +249,14 @@ def test_small_user_errors_are_one_line(tmp_path: Path, prompts: Path, monkeypat
         assert code == 2 and "is empty: give a column name" in output, output
     code, output = invoke("report", str(tmp_path), "--top", "-1")
     assert code == 2 and "-1 is not in the range" in output
+    for args, line in (
+        (["report", str(prompts)], f"output directory '{prompts}' is not a folder"),
+        (["report", str(tmp_path / "gone")], "does not exist: give a job's output directory"),
+        (["validate", "/dev/null"], "job file '/dev/null' is not a file: give a TOML job file"),
+        (["validate", str(tmp_path / "no.toml")], "no.toml' does not exist: give a TOML job"),
+    ):
+        code, output = invoke(*args)
+        assert code == 2 and output.count("\n") == 1 and line in output, output
     home = tmp_path / "home-is-a-file"
     home.write_text("x")
     monkeypatch.setenv("BATCHGEN_HOME", str(home))
@@ -257,3 +282,41 @@ def test_validate_does_not_hash_the_input_for_a_new_output(tmp_path: Path, monke
     args = ["validate", "--model", "default", "--input", str(tmp_path / "in.parquet")]
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
+
+
+def test_ctrl_c_while_the_command_line_imports_is_one_line(tmp_path: Path) -> None:
+    """SIGINT that arrives while `batchgen` is still importing its command line (the
+    process signals itself as the import starts): one line, exit 130, no traceback."""
+    import subprocess
+    import sys
+
+    script = (
+        "import builtins, os, signal, sys\n"
+        "real = builtins.__import__\n"
+        "def hooked(name, *args, **kwargs):\n"
+        "    if name == 'batchgen.cli':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = hooked\n"
+        "sys.argv = ['batchgen', '--help']\n"
+        "from batchgen.__main__ import main\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip() == "batchgen: interrupted" and not done.stdout, done.stderr
+
+
+def test_ctrl_c_outside_a_run_does_not_speak_of_rows(
+    tmp_path: Path, prompts: Path, monkeypatch
+) -> None:
+    """A Ctrl-C during `validate` ends it with "interrupted" (exit 130): it has no rows to keep
+    or resume."""
+    import batchgen.job
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batchgen.job, "check_job", interrupted)
+    code, output = invoke("validate", "--input", str(prompts), "--output", str(tmp_path / "o"))
+    assert code == 130 and output.strip() == "batchgen: interrupted", output

@@ -213,17 +213,25 @@ def test_one_process_then_three_ranks_under_torchrun(job, tmp_path, started):
 @pytest.mark.slow
 def test_an_error_on_rank_0_stops_every_rank_with_the_same_line(job, tmp_path, started):
     """Only rank 0 reads the output directory before the model loads; `--gpus 2` (the ranks
-    started by batchgen): both ranks exit 2 with rank 0's line, nothing written."""
+    started by batchgen, which share one stderr): both ranks exit 2, rank 0's line is printed
+    once, nothing is written. So is an error in the spec every rank reads, and one that every
+    rank's own checks find."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("not a job")
-    launcher = start(started, [*command(job, out), "--gpus", "2"], **env())
-    _, stderr = launcher.communicate(timeout=300)
-    assert launcher.returncode == 2, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
-    assert len(lines) == 2 and lines[0] == lines[1], stderr
-    assert "is not empty and holds no batchgen job" in lines[0]
+    cases = {
+        "is not empty and holds no batchgen job": (out, ()),
+        "unknown key runtime.bogus": (tmp_path / "o2", ("runtime.bogus=1",)),
+        "num_kv_blocks=2 is too small": (tmp_path / "o3", ("runtime.num_kv_blocks=2",)),
+    }
+    for message, (where, sets) in cases.items():
+        launcher = start(started, [*command(job, where, sets=sets), "--gpus", "2"], **env())
+        _, stderr = launcher.communicate(timeout=300)
+        assert launcher.returncode == 2, stderr
+        lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
+        assert len(lines) == 1 and message in lines[0], stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
 
 
 def test_a_rank_checks_that_the_lock_is_still_its_runs(tmp_path):

@@ -13,6 +13,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where block_size is unset (and no FP8 cache)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. Run-time values (KV blocks) are returned, not stored."""

@@ -64,6 +64,7 @@ from batchgen.engine.request import (
     int64_ids,
     not_ids_reason,
     outside_vocab,
+    stop_id_problem,
 )
 from batchgen.engine.runner import ModelRunner, plan_num_blocks, spare_bytes
 from batchgen.engine.sampling_params import SamplingParams
@@ -403,10 +404,7 @@ class Engine:
         vocab = self.shape.vocab_size
         bad = outside_vocab(params.stop_token_ids, vocab) if params.stop_token_ids else None
         if bad is not None:
-            raise ValueError(
-                f"stop_token_ids holds {bad}, outside the model's vocabulary [0, {vocab}): "
-                "remove it"
-            )
+            raise ValueError(stop_id_problem(bad, vocab))
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:

@@ -201,28 +201,19 @@ class Grammars:
         self._widen(self.submit(spec).result()).result()
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
-        problem = unchecked_problem(spec)
-        if problem is not None:
-            raise ValueError(f"{spec.kind} cannot be compiled: {problem}")
+        _check_checkable(spec)
         return Compiled(spec, [self._lane(spec)])
 
     def _lane(self, spec: GrammarSpec) -> Any:
         llg = self._llg
         tokenizer = self._tokenizer.result()
         try:
-            if spec.kind == "regex":
-                grammar = llg.LLMatcher.grammar_from_regex(spec.source)
-            elif spec.kind == "choice":
-                grammar = llg.LLMatcher.grammar_from_lark(_choice_lark(json.loads(spec.source)))
-            else:
-                grammar = llg.LLMatcher.grammar_from_json_schema(spec.source, COMPACT_JSON)
-            matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+            matcher = llg.LLMatcher(tokenizer, _grammar(llg, spec), log_level=0)
             problem = matcher.get_error() if matcher.is_error() else None
         except Exception as exc:  # a schema llguidance cannot read raises ValueError
             problem = str(exc)
         if problem is not None:
-            reason = " ".join(problem.split())[:300]
-            raise ValueError(f"{spec.kind} cannot be compiled ({reason}): fix it")
+            raise _not_compiled(spec, problem)
         return matcher
 
     def _widen(self, compiled: Compiled) -> Future:
@@ -381,6 +372,40 @@ def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
     for matcher, ok in zip(matchers, accepted, strict=True):
         if not ok:
             raise RuntimeError(f"grammar refused a token it allowed: {matcher.get_error()}")
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """What compiling spec for a model would refuse whatever its tokenizer, found without
+    one (`batchgen validate`): ValueError saying why, as the compile's own would."""
+    _check_checkable(spec)
+    llg = _llguidance()
+    try:
+        problem = llg.LLMatcher.validate_grammar(_grammar(llg, spec), None)
+    except Exception as exc:  # a schema llguidance cannot read raises ValueError
+        problem = str(exc)
+    if problem:
+        raise _not_compiled(spec, problem)
+
+
+def _check_checkable(spec: GrammarSpec) -> None:
+    """ValueError where a complete output could not be checked against spec (output_check)."""
+    problem = unchecked_problem(spec)
+    if problem is not None:
+        raise ValueError(f"{spec.kind} cannot be compiled: {problem}")
+
+
+def _grammar(llg: Any, spec: GrammarSpec) -> str:
+    """spec as llguidance's grammar text."""
+    if spec.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":
+        return llg.LLMatcher.grammar_from_lark(_choice_lark(json.loads(spec.source)))
+    return llg.LLMatcher.grammar_from_json_schema(spec.source, COMPACT_JSON)
+
+
+def _not_compiled(spec: GrammarSpec, problem: str) -> ValueError:
+    reason = " ".join(problem.split())[:300]
+    return ValueError(f"{spec.kind} cannot be compiled ({reason}): fix it")
 
 
 def _choice_lark(choices: list[str]) -> str:

@@ -22,7 +22,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from batchgen.engine.fingerprint import adapter_state, buffers_digest, nonpersistent_buffers
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.preload import Preload
@@ -151,9 +151,6 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
         return dtype
     check_fp8_device(device, "kv_cache_dtype='fp8'")
     return FP8_DTYPE
-
-
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where EngineConfig.block_size is unset
 
 
 def kv_block_size(config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:

@@ -70,6 +70,12 @@ def folder_context(folder: str) -> int | None:
     """max_position_embeddings of a local model folder's config.json (of its text config
     where it has one, as the loaded model's text config gives it); None where the folder or
     the field is missing or unreadable."""
+    return _text_config_int(folder, "max_position_embeddings")
+
+
+def _text_config_int(folder: str | Path, key: str) -> int | None:
+    """A positive integer field of a model folder's text config (config.json's text_config
+    where it has one, else config.json itself); None where missing or unreadable."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
@@ -77,8 +83,8 @@ def folder_context(folder: str) -> int | None:
     if not isinstance(config, dict):
         return None
     text = config.get("text_config")
-    limit = (text if isinstance(text, dict) else config).get("max_position_embeddings")
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    value = (text if isinstance(text, dict) else config).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def model_context(model: str, fetch: bool = False) -> int | None:
@@ -98,6 +104,17 @@ def model_context(model: str, fetch: bool = False) -> int | None:
         return folder_context(str(Path(hf_hub_download(source, "config.json")).parent))
     except Exception:  # not a hub id, offline and not cached: the run says why
         return None
+
+
+def model_vocab(model: str) -> int | None:
+    """The vocabulary size (vocab_size) of a job's model read off its config.json without
+    loading or building it: a local folder's, the embedded default's once built; else None."""
+    if model == DEFAULT_MODEL:
+        from batchgen.models import default_model_folder
+
+        return _text_config_int(default_model_folder(), "vocab_size")
+    path = Path(model).expanduser()
+    return _text_config_int(path, "vocab_size") if path.is_dir() else None
 
 
 def prompt_over_context(prompt_tokens: int, max_model_len: int) -> str | None:

@@ -35,8 +35,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from batchgen.engine.attention import attention_audit, attention_scope
-from batchgen.engine.block_manager import blocks_for
 from batchgen.engine.model_loader import eval_mode
+from batchgen.engine.probe_requests import (
+    PROBE_LENGTHS,
+    PROBE_NEW_TOKENS,
+    check_probe_room,
+    prompt_room,
+)
 from batchgen.engine.quant.check import fp8_probe_mode, fp8_product_error
 from batchgen.engine.quant.convert import is_quantized
 from batchgen.engine.quant.fp8 import FP8_DTYPE, FP8_MAX, round_to_fp8
@@ -47,8 +52,6 @@ from batchgen.errors import BatchgenError
 if TYPE_CHECKING:
     from batchgen.engine.engine import Engine
 
-PROBE_LENGTHS = (11, 37)  # prompt tokens of the probe requests
-PROBE_NEW_TOKENS = 3
 PROBE_TOP = 5  # alternatives compared at each position
 RELEVANT_LOGPROB = -12.0  # entries less likely than this are rounding noise in any dtype
 TOLERANCE = {torch.float32: 2e-3, torch.float64: 1e-6}  # |logprob difference| allowed
@@ -185,7 +188,7 @@ def _power_of_two_scale(peak: float) -> float:
 
 
 def _probe_prompts(engine: Engine) -> list[Prompt]:
-    room = max(2, engine.max_model_len - PROBE_NEW_TOKENS - 1)
+    room = prompt_room(engine.max_model_len)
     generator = torch.Generator().manual_seed(0)
     vocab = engine.shape.vocab_size
     return [
@@ -195,17 +198,8 @@ def _probe_prompts(engine: Engine) -> list[Prompt]:
 
 
 def _check_room(engine: Engine, prompts: list[Prompt]) -> None:
-    """A KV cache set too small for the probe's requests (num_kv_blocks given) is the
-    setting's fault, not the model's: one line naming it."""
     tokens = max(len(p.prompt) for p in prompts) + PROBE_NEW_TOKENS
-    need = blocks_for(tokens, engine.config.block_size)
-    if engine.num_blocks < need:
-        raise BatchgenError(
-            f"num_kv_blocks={engine.num_blocks} is too small: the start-up check of the model "
-            f"runs a {tokens}-token request, which needs {need} blocks of "
-            f"{engine.config.block_size} tokens: give at least {need}, and enough for the "
-            "longest prompt plus max_new_tokens"
-        )
+    check_probe_room(engine.num_blocks, engine.config.block_size, tokens)
 
 
 def _paired(prompts: list[Prompt], outs: list[Any]) -> list[tuple[Prompt, Any]]:

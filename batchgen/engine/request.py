@@ -146,6 +146,11 @@ def outside_vocab(ids: Sequence[int], vocab: int) -> int | None:
     return next(t for t in ids if not 0 <= t < vocab)
 
 
+def stop_id_problem(bad: int, vocab: int) -> str:
+    """Why stop_token_ids cannot hold `bad` on a model of this vocabulary size."""
+    return f"stop_token_ids holds {bad}, outside the model's vocabulary [0, {vocab}): remove it"
+
+
 def int64_ids(prompt: object) -> array | None:
     """A list or tuple of integers as an int64 array; None for anything else, a bool among
     them too (array() takes True as 1: a user's mistake, never a token id)."""

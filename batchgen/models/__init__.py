@@ -16,6 +16,7 @@ from batchgen.models.tiny import (
     TinyShape,
     build_tiny_model,
     build_tokenizer,
+    default_model_folder,
     default_model_path,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "batchgen_home",
     "build_tiny_model",
     "build_tokenizer",
+    "default_model_folder",
     "default_model_path",
 ]

@@ -274,9 +274,14 @@ def build_tiny_model(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def default_model_folder() -> Path:
+    """Where the embedded default model is (or will be) built; nothing is built here."""
+    return models_dir() / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
+
+
 def default_model_path() -> Path:
     """The embedded default model folder, built deterministically on first call."""
-    folder = models_dir() / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
+    folder = default_model_folder()
     try:
         return build_tiny_model(
             folder, DEFAULT_MODEL_ARCH, DEFAULT_MODEL_SEED, **asdict(DEFAULT_MODEL_SHAPE)

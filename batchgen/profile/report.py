@@ -47,7 +47,8 @@ def find_run(out_dir: Path, run: str | None) -> Path:
     """The records file of `run` (default: the newest) in an output directory."""
     layout = OutputLayout(out_dir)
     if not layout.dir.is_dir():
-        raise BatchgenError(f"output directory '{out_dir}' does not exist")
+        what = "is not a folder" if layout.dir.exists() else "does not exist"
+        raise BatchgenError(f"output directory '{out_dir}' {what}: give a job's output directory")
     runs = layout.profile_runs()
     if not runs:
         raise BatchgenError(f"no profile records in {out_dir}: run the job with --profile")
