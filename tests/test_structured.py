@@ -26,7 +26,7 @@ from batchgen.engine.grammar import (
     GrammarState,
     grammar_spec,
 )
-from batchgen.engine.output_check import output_problem
+from batchgen.engine.output_check import OutputCheck, output_problem, spec_problem
 from batchgen.engine.request import Prompt
 from batchgen.formats.openai_batch.requests import parse_request
 from batchgen.job import run_job
@@ -319,21 +319,21 @@ def test_a_complete_output_is_checked_against_its_spec() -> None:
     keeps its last value (so an object may hold fewer properties than the grammar counted),
     the schema's other semantics, the choices."""
     schema = GrammarSpec("json_schema", json.dumps(EXAMPLE_SCHEMA))
-    assert output_problem(schema, json.dumps(EXAMPLE_VALUE, separators=(",", ":"))) is None
+    assert spec_problem(schema, json.dumps(EXAMPLE_VALUE, separators=(",", ":"))) is None
     two = GrammarSpec("json_schema", json.dumps({"type": "object", "minProperties": 2}))
-    assert output_problem(two, '{"a":1,"b":2}') is None
-    assert output_problem(two, '{"a":1,"a":2}') == (
+    assert spec_problem(two, '{"a":1,"b":2}') is None
+    assert spec_problem(two, '{"a":1,"a":2}') == (
         "the output breaks its json_schema at the top level: {'a': 2} does not have enough "
         "properties"
     )
     free = GrammarSpec("json_schema", json.dumps({"type": "object"}))
-    assert output_problem(free, '{"a":1,"a":2}') is None  # valid as parsed
+    assert spec_problem(free, '{"a":1,"a":2}') is None  # valid as parsed
     bad = json.dumps({**EXAMPLE_VALUE, "rating": 9})
-    assert output_problem(schema, bad).startswith("the output breaks its json_schema at rating:")
-    assert "not valid JSON" in output_problem(schema, '{"title":')
+    assert spec_problem(schema, bad).startswith("the output breaks its json_schema at rating:")
+    assert "not valid JSON" in spec_problem(schema, '{"title":')
     anything = GrammarSpec("json_object", json.dumps({"type": "object"}))
-    assert output_problem(anything, "[1]") == "the output is not a JSON object"
-    assert output_problem(anything, '{"k":[1,{"k":2}]}') is None
+    assert spec_problem(anything, "[1]") == "the output is not a JSON object"
+    assert spec_problem(anything, '{"k":[1,{"k":2}]}') is None
 
 
 def test_an_output_whose_number_cannot_be_read_is_an_error_not_a_crash() -> None:
@@ -344,14 +344,14 @@ def test_an_output_whose_number_cannot_be_read_is_an_error_not_a_crash() -> None
         GrammarSpec("json_schema", "{}"),
         GrammarSpec("json_object", json.dumps({"type": "object"})),
     ):
-        problem = output_problem(spec, f'{{"a":{huge}}}')
+        problem = spec_problem(spec, f'{{"a":{huge}}}')
         assert problem is not None and "could not be checked" in problem
     long = "1" * 5000  # valid JSON past Python's digit limit for int(): not "invalid JSON"
-    problem = output_problem(GrammarSpec("json_schema", "{}"), f'{{"a":{long}}}')
+    problem = spec_problem(GrammarSpec("json_schema", "{}"), f'{{"a":{long}}}')
     assert problem == "the output holds a number too large to be read, so it could not be checked"
     choice = GrammarSpec("choice", json.dumps(list(CHOICES)))
-    assert output_problem(choice, CHOICES[2]) is None
-    assert output_problem(choice, "maybe") == "the output is not one of the choices"
+    assert spec_problem(choice, CHOICES[2]) is None
+    assert spec_problem(choice, "maybe") == "the output is not one of the choices"
 
 
 def test_integer_bounds_beyond_64_bits_are_refused_before_any_output() -> None:
@@ -429,14 +429,14 @@ def test_numbers_are_checked_exactly() -> None:
     """4.94 is a multiple of 0.01 (4.94 / 0.01 is 494.00000000000006 in binary floats)."""
     cents = GrammarSpec("json_schema", json.dumps({"type": "number", "multipleOf": 0.01}))
     for text in ("4.94", "0.07", "1234.56", "3", "1e-2", "-0.29"):
-        assert output_problem(cents, text) is None, text
-    assert output_problem(cents, "4.945").startswith("the output breaks its json_schema")
+        assert spec_problem(cents, text) is None, text
+    assert spec_problem(cents, "4.945").startswith("the output breaks its json_schema")
     whole = GrammarSpec("json_schema", json.dumps({"type": "integer", "enum": [100, 2]}))
-    assert output_problem(whole, "1e2") is None and output_problem(whole, "100") is None
-    assert output_problem(whole, "2.5") is not None
+    assert spec_problem(whole, "1e2") is None and spec_problem(whole, "100") is None
+    assert spec_problem(whole, "2.5") is not None
     tenth = GrammarSpec("json_schema", json.dumps({"enum": [0.1, "x"], "maximum": 0.3}))
-    assert output_problem(tenth, "0.1") is None
-    assert output_problem(tenth, "0.30000000000000004") is not None
+    assert spec_problem(tenth, "0.1") is None
+    assert spec_problem(tenth, "0.30000000000000004") is not None
 
 
 def test_an_output_the_grammar_let_through_is_an_error_row(
@@ -573,3 +573,55 @@ def _runs(lexers: list[int]) -> int:
 def _row(state: GrammarState) -> SimpleNamespace:
     """What Grammars.fill reads of a request."""
     return SimpleNamespace(grammar=state, finish_reason=None, output_token_ids=[])
+
+
+def test_a_structured_output_cut_by_a_stop_is_checked_as_cut() -> None:
+    """Ended by a stop string or stop token before its grammar was complete: it passes only
+    where its text as cut still matches its spec; a regex's never does (it is not checked)."""
+    schema = GrammarSpec("json_schema", json.dumps({"type": "integer"}))
+    early = "a stop string or stop token ended it before its json_schema was complete"
+    assert output_problem(OutputCheck(schema, False), "12") is None
+    problem = output_problem(OutputCheck(schema, False), '{"a":')
+    assert problem.startswith(f"{early}: the output is not valid JSON"), problem
+    assert output_problem(OutputCheck(schema, True), "12") is None
+    regex = GrammarSpec("regex", REGEX)
+    assert output_problem(OutputCheck(regex, True), "ab-12") is None
+    assert output_problem(OutputCheck(regex, False), "ab-12") == (
+        "a stop string or stop token ended it before its regex was complete, so it may not "
+        "match the regex"
+    )
+    choice = GrammarSpec("choice", json.dumps(list(CHOICES)))
+    assert output_problem(OutputCheck(choice, False), "yes") is None
+    assert "not one of the choices" in output_problem(OutputCheck(choice, False), "ye")
+
+
+def test_a_stop_string_that_cuts_a_structured_output_makes_an_error_row(
+    engines, model_dir, tmp_path: Path
+) -> None:
+    """A stop string inside a JSON output cuts it to text that is not JSON: an error row
+    naming why, in Engine.generate and in a job, never a row that ends `stop` with broken
+    JSON; a stop string the output never holds changes nothing."""
+    engine = engines[True]
+    schema = {"json_schema": EXAMPLE_SCHEMA}
+    (whole,) = _run(engine, [Prompt("Row s-greedy says", "whole", schema)]).values()
+    assert whole.finish_reason == "stop" and whole.text.startswith('{"'), whole.text
+    rows = {
+        "cut": {**schema, "stop": (":",)},
+        "regex-cut": {"regex": REGEX, "temperature": 1.0, "seed": 5, "stop": ("-",)},
+        "never": {**schema, "stop": ("\u2603",)},
+    }
+    out = _run(engine, [Prompt("Row s-greedy says", name, v) for name, v in rows.items()])
+    early = "a stop string or stop token ended it before its"
+    for name in ("cut", "regex-cut"):
+        o = out[name, 0]
+        assert o.finish_reason == "error" and early in o.error and o.text is None, o
+    assert out["never", 0].finish_reason == "stop" and out["never", 0].text == whole.text
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Row s-greedy says"}])
+    sets = (
+        f"sampling.json_schema={json.dumps(json.dumps(EXAMPLE_SCHEMA))}",
+        "sampling.stop=[':']",
+        f"sampling.max_new_tokens={LIMIT}",
+    )
+    assert run_job(spec_for(model_dir("llama"), inp, tmp_path / "out", *sets)).complete
+    (row,) = read_rows(tmp_path / "out")
+    assert row["finish_reason"] == "error" and early in row["error"], row

@@ -47,7 +47,7 @@ from batchgen.engine.model_loader import (
     weights_version,
 )
 from batchgen.engine.model_path import check_max_model_len, prompt_over_context
-from batchgen.engine.output_check import output_problem
+from batchgen.engine.output_check import OutputCheck, output_problem
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.preload import Preload
 from batchgen.engine.probe import check_model
@@ -660,12 +660,11 @@ class Engine:
         if last:
             del self._live[request.request_id]
         outputs, state = request.output_token_ids, request.grammar
-        complete = (  # a grammar allows the end-of-sequence token only once it is complete
-            state is not None
-            and request.finish_reason == "stop"
-            and bool(outputs)
-            and outputs[-1] in self.eos_token_ids
-        )
+        check = None
+        if state is not None and state.spec is not None and request.finish_reason == "stop":
+            # a grammar allows the end-of-sequence token only once it is complete
+            complete = bool(outputs) and outputs[-1] in self.eos_token_ids
+            check = OutputCheck(state.spec, complete)
         return RequestOutput(
             request.request_id,
             request.prompt_token_ids,
@@ -677,7 +676,7 @@ class Engine:
             num_samples=request.num_samples,
             logprobs=request.logprobs if request.params.logprobs is not None else None,
             last=last,
-            check=state.spec if complete else None,
+            check=check,
             stop_token_hidden=(
                 request.finish_reason == "stop"
                 and request.text is None  # a stop string's match is cut by the watcher

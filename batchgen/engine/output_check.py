@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from batchgen.engine.grammar import GrammarSpec
@@ -21,7 +21,32 @@ if TYPE_CHECKING:
 DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 
-def output_problem(spec: GrammarSpec, text: str) -> str | None:
+class OutputCheck(NamedTuple):
+    """What a structured output that ended `stop` is checked against where its text is
+    decoded: its spec, and whether its grammar was complete (it ended at end-of-sequence,
+    the only token a complete grammar allows) or a stop string or stop token ended it first."""
+
+    spec: GrammarSpec
+    complete: bool
+
+
+def output_problem(check: OutputCheck, text: str) -> str | None:
+    """-> why a structured output that ended `stop` is not a whole output of its spec (one
+    line), or None. One that a stop string or stop token ended before its grammar was
+    complete passes only where its text (as cut) still matches its spec; a regex's, which is
+    not checked again (spec_problem), never does: it is an error row, not a cut-off output
+    under finish_reason `stop`."""
+    spec = check.spec
+    if check.complete:
+        return spec_problem(spec, text)
+    early = f"a stop string or stop token ended it before its {spec.kind} was complete"
+    if spec.kind == "regex":
+        return f"{early}, so it may not match the regex"
+    problem = spec_problem(spec, text)
+    return None if problem is None else f"{early}: {problem}"
+
+
+def spec_problem(spec: GrammarSpec, text: str) -> str | None:
     """-> why a complete structured output does not match its spec (one line), or None.
 
     The grammar engine guarantees the syntax; a few schema semantics it counts on the text,

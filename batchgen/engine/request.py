@@ -13,7 +13,7 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.step_layout import request_constants
 
 if TYPE_CHECKING:
-    from batchgen.engine.grammar import GrammarSpec
+    from batchgen.engine.output_check import OutputCheck
 
 
 class _NotReady:
@@ -193,9 +193,9 @@ class RequestOutput(NamedTuple):
     num_samples: int = 1
     logprobs: list[TokenLogprobs] | None = None  # when params.logprobs is set
     last: bool = True  # no other sample of this request is still running
-    # a structured output that ended because its grammar was complete: the spec its text must
-    # match (output_check.output_problem, checked where the text is decoded); None otherwise
-    check: GrammarSpec | None = None
+    # a structured output that ended `stop`: what its text must match (output_problem, checked
+    # where the text is decoded); None otherwise
+    check: OutputCheck | None = None
     # the last output token ended the sample (eos or stop_token_ids): it stays in the token ids,
     # its text is left out of the text unless include_stop_str_in_output (as vLLM does)
     stop_token_hidden: bool = False
