@@ -510,6 +510,17 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
         for p in content
     ):
         return [{"type": "text", "text": p["text"]} for p in content]
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"a {kind!r} part" if isinstance(kind, str) else "not a typed part"
+                raise ValueError(
+                    f"content part {i} is {what}: batchgen runs text models, so content takes "
+                    'text or parts {"type": "text", "text": ...}'
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is a text part without a string 'text'")
     kind = "none" if content is None else type(content).__name__
     raise ValueError(f"content must be text or a list of text parts, not {kind}")
 

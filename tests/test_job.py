@@ -692,7 +692,8 @@ def test_chat_content_as_text_parts_is_joined_and_other_content_is_an_error_row(
     assert joined.error is None and joined.prompt_ids == plain.prompt_ids
     assert "'type'" not in tokenizer.decode(joined.prompt_ids)
     assert "message 0: content must be text or a list of text parts, not none" in empty.error
-    assert "not list" in image.error and image.prompt_ids is None
+    assert "content part 0 is a 'image_url' part: batchgen runs text models" in image.error
+    assert image.prompt_ids is None
 
 
 PARTS_STYLE = (  # loops over a message's content parts itself, as Llama 4's and Gemma 3's do

@@ -181,6 +181,21 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
         request("both", max_tokens=2, max_completion_tokens=2),
         request("long", COMPLETIONS, prompt=long),
         request("big", max_tokens=60),  # fits not beside its prompt in 64 tokens: as vLLM, a 400
+        request("mins", max_completion_tokens=2, min_tokens=5),  # a rule between two fields
+        request("mins-job", min_tokens=300),  # and with the job's max_new_tokens (256)
+        request(
+            "image",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                    ],
+                }
+            ],
+        ),
+        '{"custom_id": "cut", "method": "POST"',
         request("ok-2", COMPLETIONS, max_tokens=3),
     ]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -202,12 +217,21 @@ def test_bad_lines_become_error_lines(model: Path, tmp_path: Path) -> None:
         ("both", "invalid_value", "max_tokens", 10),
         ("long", "invalid_request", None, 11),
         ("big", "invalid_value", "max_tokens", 12),
+        ("mins", "invalid_value", "min_tokens", 13),
+        ("mins-job", "invalid_value", "min_tokens", 14),
+        ("image", "invalid_value", "messages", 15),
+        (None, "invalid_json_line", None, 16),
     ]
     messages = [err(x).message for x in errors]
     assert all(m and "\n" not in m for m in messages)
     assert "tools=" in messages[2] and "not supported" in messages[2]
     assert "max_model_len" in messages[9]
     assert messages[10].startswith("max_tokens=60 is too large: the model's context is 64")
+    # each line's own fields by the names it gave them; the job's by the job's
+    assert messages[11] == "min_tokens=5 must be <= max_completion_tokens=2"
+    assert messages[12] == "min_tokens=300 must be <= max_new_tokens=256"
+    assert messages[13].startswith("message 0: content part 1 is a 'image_url' part: batchgen")
+    assert messages[14].endswith("malformed JSON: Expecting ',' delimiter at column 38")
     assert len({x.id for x in ok + errors}) == len(rows), "one line per request, none dropped"
 
 
@@ -538,6 +562,25 @@ def test_completion_text_offsets_count_characters(model: Path) -> None:
     assert lp["text_offset"][-2] == lp["text_offset"][-1] == len("héllo wörld")
 
 
+def test_text_offsets_after_bytes_that_never_finish_a_character(model: Path) -> None:
+    """A token whose bytes begin a character the next token does not finish is a replacement
+    character of its own in the text: the next token starts after it."""
+    tokens = TokenBytes(AutoTokenizer.from_pretrained(model))
+    by_bytes = {tokens(i): i for i in range(len(tokens.tokenizer))}
+    pieces = [b"\xc3", b"\xde", b"\xc3", b"\xa9", b"a", b"\xe2\x82", b"b"]
+    ids = [by_bytes.get(p) for p in pieces]
+    if None in ids:  # \xe2\x82 as one token is not in every vocabulary: then \xe2, \x82
+        pieces[5:6] = [b"\xe2", b"\x82"]
+        ids = [by_bytes[p] for p in pieces]
+    text = b"".join(pieces).decode("utf-8", "replace")
+    assert text == "\ufffd\ufffd\u00e9a\ufffdb"
+    entries = [{"token_id": i, "logprob": -1.0, "top_logprobs": []} for i in ids]
+    row = {"text": text, "finish_reason": "length", "logprobs": entries}
+    offsets = _text_choice(row, tokens)["logprobs"]["text_offset"]
+    assert offsets[:5] == [0, 1, 2, 2, 3]  # \xc3 | \xde | é over two tokens | a
+    assert offsets[5:] == [4] * (len(ids) - 6) + [5]  # the unfinished € begun at 4, then b
+
+
 def _strict_json(text: str) -> Any:
     def refuse(constant: str) -> Any:
         raise AssertionError(f"non-standard JSON constant {constant}")
@@ -627,7 +670,7 @@ def test_validate_finds_every_line_the_run_refuses(model: Path, tmp_path: Path) 
         assert run(model, inp, tmp_path / f"out{n}", *sets).complete
         errors = read_lines(tmp_path / f"out{n}" / "errors.jsonl")
         ran = collections.Counter(err(x).code for x in errors)
-        assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 2 - n
+        assert ran["duplicate_custom_id"] == 1 and ran["invalid_request"] == 1 - n
         assert _validate_codes(model, inp, *sets) == ran
 
 

@@ -660,8 +660,8 @@ def parse_json_line(raw: bytes, where: str) -> Parsed:
     except UnicodeDecodeError as exc:
         byte = raw[exc.start]
         return None, f"{where}: not valid UTF-8 (byte 0x{byte:02x} at column {exc.start + 1})"
-    try:
-        obj = parse_json(text)
+    try:  # without its line ending: a column past the line's end would be counted from it
+        obj = parse_json(text.rstrip("\r\n"))
     except ValueError as exc:
         return None, f"{where}: malformed JSON: {exc}"
     if not isinstance(obj, dict):

@@ -4,13 +4,14 @@ an error row that keeps its custom_id and error code."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from batchgen.engine.model_path import prompt_over_context
 from batchgen.engine.sampling_params import STRUCTURED, SamplingParams
 from batchgen.formats.openai_batch.requests import (
+    FIELDS_COLUMN,
     ID_COLUMN,
-    LIMIT_COLUMN,
     PASSTHROUGH,
     SAMPLING_COLUMN,
 )
@@ -67,7 +68,8 @@ class RequestBuilder:
                 off = prepared[i][1]
                 if off and built.prompt_ids is not None:  # the engine's base is the job's
                     built = built._replace(overrides={**off, **built.overrides})
-                out[i] = self._within_context(built, rows[i][1].get(LIMIT_COLUMN))
+                fields = rows[i][1].get(FIELDS_COLUMN) or {}
+                out[i] = self._within_context(_in_body_terms(built, fields), fields)
         return out
 
     def _prepare(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -86,10 +88,11 @@ class RequestBuilder:
             given = {**self.job_format, **given}
         return {**values, SAMPLING_COLUMN: given}, off
 
-    def _within_context(self, row: RowPrompt, field: str | None) -> RowPrompt:
+    def _within_context(self, row: RowPrompt, fields: dict[str, str]) -> RowPrompt:
         """As OpenAI and vLLM answer it: a line whose own max_tokens cannot fit beside its
-        prompt in the context is an error line, not one cut short at the context. field: the
-        body field that gave it (max_tokens or max_completion_tokens)."""
+        prompt in the context is an error line, not one cut short at the context. fields: the
+        body field each of the line's sampling values came from (max_tokens or
+        max_completion_tokens for the limit)."""
         if row.prompt_ids is None:
             return row
         over = prompt_over_context(len(row.prompt_ids), self.context)
@@ -101,7 +104,7 @@ class RequestBuilder:
         room = self.context - len(row.prompt_ids)
         if asked <= room:
             return row
-        field = field or "max_tokens"
+        field = fields.get("max_new_tokens", "max_tokens")
         message = (
             f"{field}={asked:,} is too large: the model's context is {self.context:,} tokens "
             f"(max_model_len) and the request has {len(row.prompt_ids):,} prompt tokens, so at "
@@ -143,6 +146,33 @@ class RequestBuilder:
             message = writable(values["error_message"])
             return RowPrompt(index, row_id, None, {}, passthrough, message)
         return None
+
+
+def _in_body_terms(row: RowPrompt, fields: dict[str, str]) -> RowPrompt:
+    """A line's error about its own sampling values (a rule between two of them, or with the
+    job's, or with its prompt: met where they meet) in the line's terms: each SamplingParams
+    field it gave named by its body field (min_tokens, max_completion_tokens), the first of
+    them as the error's param."""
+    if row.prompt_ids is not None or row.error is None or row.passthrough.get("error_code"):
+        return row
+    found = sorted(
+        (match.start(), field)
+        for field in fields
+        if (match := re.search(_field_pattern(field), row.error)) is not None
+    )
+    if not found:
+        return row
+    message = row.error
+    for _, field in found:
+        message = re.sub(_field_pattern(field), fields[field], message)
+    first = fields[found[0][1]]
+    passthrough = {**row.passthrough, "error_code": "invalid_value", "error_param": first}
+    return row._replace(error=message, passthrough=passthrough)
+
+
+def _field_pattern(field: str) -> str:
+    """field as a word of its own, not part of a dotted key (the job's sampling.max_new_tokens)."""
+    return rf"(?<![\w.]){re.escape(field)}(?!\w)"
 
 
 def _writable_value(value: Any) -> Any:

@@ -27,8 +27,9 @@ PASSTHROUGH_TYPES = {"url": "string", "model": "string", "line": "int64"} | dict
     ("error_code", "error_param"), "string"
 )  # Arrow type names
 PASSTHROUGH = tuple(PASSTHROUGH_TYPES)
-LIMIT_COLUMN = "limit_field"  # the body field that gave the token limit, named in its errors
-COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, LIMIT_COLUMN, "error_message")
+# SamplingParams field -> the body field of the line that gave it, named in the line's errors
+FIELDS_COLUMN = "body_fields"
+COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, FIELDS_COLUMN, "error_message")
 COLUMNS += PASSTHROUGH
 
 # body field -> SamplingParams field, where the meaning is the same (OpenAI's, then vLLM's)
@@ -174,9 +175,8 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_value", f"model={model!r} must be a string", "model")
-    out: dict[str, Any] = {"model": model, SAMPLING_COLUMN: _sampling(url, body)}
-    limit = [key for key in ("max_tokens", "max_completion_tokens") if body.get(key) is not None]
-    out[LIMIT_COLUMN] = limit[0] if limit else None
+    sampling, fields = _sampling(url, body)
+    out: dict[str, Any] = {"model": model, SAMPLING_COLUMN: sampling, FIELDS_COLUMN: fields}
     if url == CHAT_URL:
         out["messages"] = _messages(body.get("messages"))
     else:
@@ -184,9 +184,9 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Body fields -> SamplingParams overrides of the job's sampling, each checked (param = the
-    body field)."""
+def _sampling(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Body fields -> (SamplingParams overrides of the job's sampling, each checked (param =
+    the body field); the body field each override came from)."""
     given = {k: v for k, v in body.items() if v is not None}
     if "max_tokens" in given and "max_completion_tokens" in given:
         raise RequestError(
@@ -214,7 +214,7 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
     for field, key in source.items():
         if out[field] is not None:
             _check_value(key, field, out[field])
-    return out
+    return out, source
 
 
 def _check_constraints(given: dict[str, Any]) -> None:

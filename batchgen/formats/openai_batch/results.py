@@ -242,7 +242,21 @@ def _text_offsets(token_ids: list[int], tokens: TokenBytes) -> list[int]:
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     offsets, length = [], 0
     for token_id in token_ids:
+        data = b"" if token_id in tokens.special else tokens(token_id)
+        pending = decoder.getstate()[0]  # an earlier token's unfinished character
+        if pending and data and not _continues(pending, data[:1]):
+            # it never finishes: its replacement character is the earlier token's text
+            length += len(decoder.decode(b"", final=True))
+            decoder.reset()
         offsets.append(length)
-        if token_id not in tokens.special:
-            length += len(decoder.decode(tokens(token_id)))
+        length += len(decoder.decode(data))
     return offsets
+
+
+def _continues(pending: bytes, first: bytes) -> bool:
+    """Whether byte `first` goes on with the unfinished UTF-8 character `pending`."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(pending + first)
+    except UnicodeDecodeError:
+        return False
+    return True
