@@ -165,6 +165,12 @@ class Generator:
         progress: bool,
         batch_rows: int,
     ) -> JobSpec:
+        if sampling is not None and not isinstance(sampling, (SamplingParams, dict)):
+            raise BatchgenError(
+                f"generate: sampling must be a SamplingParams or a dict of its fields, not "
+                f"{type(sampling).__name__}: it applies to every row (per-row values: "
+                "sampling_column)"
+            )
         try:
             if not isinstance(sampling, SamplingParams):
                 sampling = SamplingParams().replace(**(sampling or {}))
@@ -199,7 +205,7 @@ class Generator:
         import datasets
 
         features = None
-        if ds.features is not None:
+        if ds.features is not None and not _holds_nanoseconds(ds.features.arrow_schema):
             out = {prefix + c: f for c, f in output_features(spec).items() if c in columns}
             features = datasets.Features({**ds.features, **out})
         read = spec.prompt.columns_used() or None
@@ -265,6 +271,20 @@ def generate(
     if not isinstance(out, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         gen.close()
     return out
+
+
+def _holds_nanoseconds(schema: pa.Schema) -> bool:
+    """Whether a column holds timestamps or durations in nanoseconds (at any depth). datasets
+    gives them as pandas values, and a stream declared with features encodes each example
+    again, which cuts pandas values to microseconds: such a stream is returned without
+    features, its rows as the input gives them."""
+
+    def nanos(kind: pa.DataType) -> bool:
+        if pa.types.is_timestamp(kind) or pa.types.is_duration(kind):
+            return kind.unit == "ns"
+        return any(nanos(kind.field(i).type) for i in range(kind.num_fields))
+
+    return any(nanos(field.type) for field in schema)
 
 
 def _no_op() -> None:

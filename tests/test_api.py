@@ -186,6 +186,11 @@ def test_user_errors_are_one_line(gen: Generator) -> None:
         gen(table(), template="Q: {question}")
     with pytest.raises(BatchgenError, match="system_prompt applies to chat messages"):
         gen(table().to_iterable_dataset(), system_prompt="Be brief.")  # at the call, not later
+    for sampling in ([SamplingParams()] * 2, "greedy"):  # one per row is sampling_column's job
+        kind = type(sampling).__name__
+        with pytest.raises(BatchgenError, match=rf"sampling must be a SamplingParams or a dict "
+                           rf"of its fields, not {kind}: it applies to every row"):  # fmt: skip
+            gen(table(), sampling=sampling)
 
 
 def test_module_level_generate(model_dir) -> None:
@@ -450,3 +455,31 @@ def test_a_refused_checkpoint_names_what_the_api_offers(gen: Generator, tmp_path
         BatchgenError, match=r"holds shards but no job\.json: use another checkpoint_dir"
     ):
         gen(table(), **changed)
+
+
+def test_a_stream_keeps_nanoseconds_of_its_columns(gen: Generator) -> None:
+    """Timestamps and durations in nanoseconds come back from a stream as the input gives them
+    (datasets would cut them to microseconds when it encodes a stream with features), as
+    they do from a Dataset."""
+    import pyarrow as pa
+
+    data = pa.table({
+        "prompt": PROMPTS[:2],
+        "ts": pa.array([1704067200000000123, 5], type=pa.timestamp("ns", tz="UTC")),
+        "dur": pa.array([1_000_000_001, 7], type=pa.duration("ns")),
+        "nested": pa.array([[{"t": 3}], []], type=pa.list_(pa.struct([("t", pa.duration("ns"))]))),
+        "k": [1, 2],
+    })  # fmt: skip
+    ds = datasets.Dataset(data)
+    given = list(ds.to_iterable_dataset())
+    sampling = {"max_new_tokens": 2}
+    streamed = list(gen(ds.to_iterable_dataset(), sampling=sampling, progress=False))
+    stored = list(gen(ds, sampling=sampling, progress=False))
+    for rows in (streamed, stored):
+        for row, want in zip(rows, given, strict=True):
+            assert {c: row[c] for c in want} == want
+            assert row["ts"].nanosecond == want["ts"].nanosecond
+    assert streamed[0]["ts"].nanosecond == 123 and streamed[0]["dur"].nanoseconds == 1
+    plain = datasets.Dataset.from_dict({"prompt": PROMPTS[:2], "k": [1, 2]})
+    features = gen(plain.to_iterable_dataset(), sampling=sampling).features
+    assert features is not None and features["k"] == plain.features["k"]
