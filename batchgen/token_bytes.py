@@ -13,6 +13,7 @@ tokenizer's tokens are decoded alone.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import weakref
@@ -46,6 +47,22 @@ def token_bytes_of(tokenizer: Any) -> TokenBytes:
     if found is None:
         found = _KEPT[tokenizer] = TokenBytes(tokenizer)
     return found
+
+
+def unfinished_utf8(data: bytes) -> bytes:
+    """The bytes at the end of data that begin a UTF-8 character and do not finish it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return decoder.getstate()[0]
+
+
+def continues_utf8(pending: bytes, first: bytes) -> bool:
+    """Whether `first` goes on with the unfinished UTF-8 character `pending`."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(pending + first)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class TokenBytes:

@@ -195,3 +195,28 @@ def test_a_prompt_ending_inside_a_character_is_no_context(spm: Path, model_dir) 
                 assert got == tok.decode(after, skip_special_tokens=True), (folder.name, k)
                 assert text.endswith(got.lstrip("\ufffd")), (folder.name, k)
         assert split, "no character is split: the test checks nothing"
+
+
+def test_an_output_after_a_prompt_cut_inside_a_character_keeps_its_space(
+    spm: Path, monkeypatch
+) -> None:
+    """Token ids cut inside a character (its bytes unfinished), or a stray byte piece before a
+    special token: the output does not go on with that character, so it reads as after the
+    prompt, its first token's space kept, and a stop string beginning with the space ends it."""
+    engine = Engine(spm, EngineConfig(device="cpu"))
+    tok = engine.tokenizer
+    out = tok(" the soup is hot", add_special_tokens=False).input_ids
+    whole = tok("Answer: 龍 and 😀").input_ids
+    pieces = tok.convert_ids_to_tokens(whole)
+    cuts = [k for k in range(1, len(whole)) if tok.decode(whole[:k]).endswith("\ufffd")]
+    assert len(cuts) >= 3 and all(pieces[k - 1].startswith("<0x") for k in cuts), pieces
+    stray = [*tok("Answer:").input_ids, tok.convert_tokens_to_ids("<0xE9>"), tok.eos_token_id]
+    for prompt in [whole[:k] for k in cuts] + [stray]:
+        assert output_text(tok, prompt, out) == " the soup is hot" == after_prompt(tok, prompt, out)
+        assert match_stop_strings(out, (" the",), False, 0, tok, prompt) == ""
+    prompt = whole[: cuts[0]]
+    script_outputs(monkeypatch, {len(prompt): out})
+    params = SamplingParams(max_new_tokens=len(out), ignore_eos=True)
+    (free,) = engine.generate([prompt], params)
+    (cut,) = engine.generate([prompt], params.replace(stop=(" soup",)))
+    assert (free.text, cut.text, cut.finish_reason) == (" the soup is hot", " the", "stop")

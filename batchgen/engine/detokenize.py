@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from batchgen.token_bytes import token_bytes_of
+from batchgen.token_bytes import continues_utf8, token_bytes_of, unfinished_utf8
 
 CONTEXT_TOKENS = 5  # tokens decoded before an output (vLLM's detokenizer starts with 5)
 
@@ -25,11 +25,12 @@ def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> st
     """The text of `ids` as it reads after the tokens `before` (only their last
     CONTEXT_TOKENS matter), special tokens left out. A context whose text ends in U+FFFD is
     used only where its bytes are whole UTF-8 (the prompt's own U+FFFD): one that ends inside
-    a character, or whose first tokens are the last bytes of one (byte pieces: a run of them
-    that is not whole UTF-8 decodes as U+FFFD each), is shortened until its text is whole.
-    Where no context's text is a prefix of the joint text (bytes of one character split
-    across the two), `ids` alone are decoded."""
-    context = list(before[-CONTEXT_TOKENS:])
+    a character the output does not go on with (a prompt cut inside it) loses the tokens of
+    that unfinished character from its end; one whose first tokens are the last bytes of a
+    character (byte pieces: a run of them that is not whole UTF-8 decodes as U+FFFD each) is
+    shortened from its start until its text is whole. Where no context's text is a prefix of
+    the joint text (bytes of one character split across the two), `ids` alone are decoded."""
+    context = _without_unfinished_end(tokenizer, list(before[-CONTEXT_TOKENS:]), ids)
     for start in range(len(context)):
         head = tokenizer.decode(context[start:], skip_special_tokens=True)
         if head.endswith("\ufffd") and not _whole_utf8(tokenizer, context[start:]):
@@ -38,6 +39,24 @@ def output_text(tokenizer: Any, before: Sequence[int], ids: Sequence[int]) -> st
         if joint.startswith(head):
             return joint[len(head) :]
     return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _without_unfinished_end(tokenizer: Any, context: list[int], ids: Sequence[int]) -> list[int]:
+    """context without the tokens at its end that hold a character it begins and does not
+    finish, where the output's first bytes do not go on with it: that character is the
+    prompt's (a U+FFFD of its text), and a context ending in it has no whole text to cut off."""
+    token_bytes = token_bytes_of(tokenizer)
+    data = b"".join(token_bytes(i) for i in context if i not in token_bytes.special)
+    pending = unfinished_utf8(data)
+    first = next((token_bytes(i) for i in ids if i not in token_bytes.special), b"")
+    if not pending or (first and continues_utf8(pending, first[:1])):
+        return context
+    left = len(pending)  # bytes still to drop, from the end
+    while left > 0 and context:
+        token = context.pop()
+        if token not in token_bytes.special:
+            left -= len(token_bytes(token))
+    return context
 
 
 def _whole_utf8(tokenizer: Any, ids: Sequence[int]) -> bool:

@@ -26,7 +26,7 @@ from batchgen.io.atomic import write_atomic
 from batchgen.io.checkpoint import iter_shard_rows
 from batchgen.io.final import write_final
 from batchgen.io.layout import OutputLayout, temp_path
-from batchgen.token_bytes import TokenBytes
+from batchgen.token_bytes import TokenBytes, continues_utf8
 
 Row = dict[str, Any]
 
@@ -244,19 +244,10 @@ def _text_offsets(token_ids: list[int], tokens: TokenBytes) -> list[int]:
     for token_id in token_ids:
         data = b"" if token_id in tokens.special else tokens(token_id)
         pending = decoder.getstate()[0]  # an earlier token's unfinished character
-        if pending and data and not _continues(pending, data[:1]):
+        if pending and data and not continues_utf8(pending, data[:1]):
             # it never finishes: its replacement character is the earlier token's text
             length += len(decoder.decode(b"", final=True))
             decoder.reset()
         offsets.append(length)
         length += len(decoder.decode(data))
     return offsets
-
-
-def _continues(pending: bytes, first: bytes) -> bool:
-    """Whether byte `first` goes on with the unfinished UTF-8 character `pending`."""
-    try:
-        codecs.getincrementaldecoder("utf-8")("strict").decode(pending + first)
-    except UnicodeDecodeError:
-        return False
-    return True
