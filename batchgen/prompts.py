@@ -253,7 +253,8 @@ class PromptBuilder:
             if row_id != raw_id:
                 raise ValueError(f"id {row_id!r} is not valid Unicode (a lone surrogate)")
             if not row_id:
-                raise ValueError(f"id column {cfg.id_column!r} is missing or null")
+                what = "is empty text" if given == "" else "is missing or null"
+                raise ValueError(f"id column {cfg.id_column!r} {what}: every row needs an id")
             if bad_column is not None:
                 raise ValueError(bad_column)
             overrides = self._overrides(values)

@@ -936,3 +936,68 @@ def test_samples_of_one_index_stay_together_and_ordered(tmp_path: Path, fmt: str
         (1, 2),
         (2, 0),
     ]
+
+
+def test_files_are_read_in_the_order_of_their_paths_as_text(tmp_path: Path) -> None:
+    """A folder's files below subfolders sort as their paths' text, as a glob's matches and
+    an object store's keys do: the same files get the same row indexes however named."""
+    data = tmp_path / "data"
+    (data / "a").mkdir(parents=True)
+    for name in ("a/b.jsonl", "a-c.jsonl", "a.d.jsonl"):
+        (data / name).write_text(json.dumps({"prompt": name}) + "\n")
+    orders = [
+        [r.values["prompt"] for r in read_all(path)] for path in (data, data / "**" / "*.jsonl")
+    ]
+    assert orders == [["a-c.jsonl", "a.d.jsonl", "a/b.jsonl"]] * 2
+
+
+def test_compressed_inputs_are_refused_not_skipped(tmp_path: Path) -> None:
+    """A compressed data file is refused in one line naming it (batchgen reads files
+    uncompressed), whether a folder holds it, it is named, or its format is given."""
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
+    (data / "b.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "b"}\n'))
+    for path, fmt in ((data, "auto"), (data / "b.jsonl.gz", "auto"), (data / "*", "auto")):
+        with pytest.raises(BatchgenError, match=r"b.jsonl.gz' is compressed \(.gz\): batchgen"):
+            open_input(InputConfig(str(path), format=fmt))
+    with pytest.raises(BatchgenError, match=r"is gzip-compressed, not JSON Lines text"):
+        open_input(InputConfig(str(data / "b.jsonl.gz"), format="jsonl"))
+    (data / "b.jsonl.gz").unlink()
+    assert [r.values["prompt"] for r in read_all(data)] == ["a"]
+
+
+def test_a_parquet_file_with_two_columns_of_one_name_is_refused(tmp_path: Path) -> None:
+    table = pa.Table.from_arrays(
+        [pa.array(["p"]), pa.array([1]), pa.array([3])], ["prompt", "k", "k"]
+    )
+    pq.write_table(table, tmp_path / "twice.parquet")
+    with pytest.raises(BatchgenError, match="has two columns named 'k': rename one of them"):
+        open_input(InputConfig(str(tmp_path / "twice.parquet")))
+
+
+def test_view_typed_columns_pass_through_to_the_result_file(tmp_path: Path) -> None:
+    """string_view and binary_view columns (at any depth) are stored as string and binary,
+    with the same values: the result file's merge has no kernels for views."""
+    views = {
+        "s": pa.array(["x", None, "é"], pa.string_view()),
+        "b": pa.array([b"a", None, b"\x00"], pa.binary_view()),
+        "l": pa.array([["u"], [], None], pa.list_(pa.string_view())),
+    }
+    pq.write_table(pa.table(views), tmp_path / "in.parquet")
+    source = open_input(InputConfig(str(tmp_path / "in.parquet")))
+    assert [source.types[c] for c in views] == [pa.string(), pa.binary(), pa.list_(pa.string())]
+    read = [r.values for b in source.batches() for r in b]
+    columns = {**BASE, **{name: source.types[name] for name in views}}
+    layout = OutputLayout(tmp_path / "out")
+    writer = ShardWriter(layout, "parquet", columns, 2, 3600)
+    writer.add_group([{"index": i, "id": str(i), **v} for i, v in enumerate(reversed(read))])
+    writer.commit()
+    final = tmp_path / "out" / "results.parquet"
+    write_final(layout, "parquet", final)
+    got = pq.read_table(final)
+    assert {c: got.column(c).to_pylist() for c in views} == {
+        c: list(reversed(a.to_pylist())) for c, a in views.items()
+    }

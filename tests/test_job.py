@@ -152,6 +152,7 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
             {"id": "ok-1", "prompt": "duplicate id"},
             {"prompt": "no id"},
             {"id": {"key": 1}, "prompt": "an object as id"},
+            {"id": "", "prompt": "an empty id"},
             {"id": "ok-2", "prompt": "Goodbye now"},
         ],
     )
@@ -165,9 +166,9 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
     )
     result = run_job(spec)
     rows = read_rows(tmp_path / "out")
-    assert len(rows) == 12 and [r["index"] for r in rows] == list(range(12))
+    assert len(rows) == 13 and [r["index"] for r in rows] == list(range(13))
     errors = [r for r in rows if r["finish_reason"] == "error"]
-    assert [r["index"] for r in errors] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert [r["index"] for r in errors] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     messages = [r["error"] for r in errors]
     assert "line 2" in messages[0] and "JSON" in messages[0]
     assert "'prompt' is missing or null" in messages[1] and "missing or null" in messages[2]
@@ -180,8 +181,9 @@ def test_bad_rows_become_error_rows(model_dir, tmp_path: Path) -> None:
     assert "id column 'id' is missing" in messages[8]
     assert "id column 'id' holds dict: an id is text or a number" in messages[9]
     assert errors[9]["id"] == "", "not Python's repr of the object"
+    assert messages[10] == "id column 'id' is empty text: every row needs an id"
     assert all(r["text"] is None for r in errors)
-    assert result.summary.rows_error == 10 and result.summary.rows_ok == 2
+    assert result.summary.rows_error == 11 and result.summary.rows_ok == 2
 
 
 @pytest.mark.parametrize("mode", ["left", "right"])

@@ -6,7 +6,11 @@
   '.' or '_' (a writer's temp files, _SUCCESS, .spark-staging/);
 - a glob names what Python's glob matches: a hidden name (a part that starts with '.') after
   the pattern's static prefix only where a pattern part that starts with '.' matches it
-  (`*` and `**` never match one).
+  (`*` and `**` never match one);
+- files are read in the order of their paths as text (below a folder: relative, '/' between
+  parts), as a glob's matches and an object store's keys sort;
+- a compressed data file (`rows.jsonl.gz`) is refused, not skipped: batchgen reads files
+  uncompressed, at byte offsets.
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ from batchgen.errors import BatchgenError
 
 # a folder holding one of these at its top is a datasets.save_to_disk folder
 SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+
+
+# what a compressed file's name ends with (after its data extension)
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".br")
+
+
+def read_order(relative: PurePosixPath | str) -> str:
+    """The key files are read in the order of: the path as text."""
+    return PurePosixPath(relative).as_posix()
+
+
+def check_not_compressed(name: str, data_extensions: set[str] | dict[str, str]) -> None:
+    """BatchgenError where `name` is a data file compressed as a whole (rows.jsonl.gz), which
+    a folder's listing would otherwise pass over and a format guess would call unknown."""
+    suffixes = [s.lower() for s in PurePosixPath(name).suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED and suffixes[-2] in data_extensions:
+        raise BatchgenError(
+            f"{name!r} is compressed ({suffixes[-1]}): batchgen reads parquet and jsonl files "
+            "uncompressed: decompress it first (e.g. gunzip, zstd -d), or move it out of the "
+            "input"
+        )
 
 
 def folder_skips(relative: PurePosixPath | str) -> bool:

@@ -125,9 +125,11 @@ def shard_schema(
 
 def common_type(name: str, kinds: set[pa.DataType]) -> pa.DataType | None:
     """The type Arrow promotes column `name`'s `kinds` to (int32 and int64: int64), if each
-    of them casts to it; else None. Whether each value fits it is the caller's to check."""
+    of them casts to it; else None. Whether each value fits it is the caller's to check.
+    View types are given as their plain ones (string_view: string), whose values are the
+    same: Arrow's kernels that merge a job's shards (take, filter) have none for views."""
     if len(kinds) == 1:
-        return next(iter(kinds))
+        return without_views(next(iter(kinds)))
     try:
         parts = [pa.schema([(name, kind)]) for kind in kinds]
         target = pa.unify_schemas(parts, promote_options="permissive").field(name).type
@@ -135,4 +137,25 @@ def common_type(name: str, kinds: set[pa.DataType]) -> pa.DataType | None:
             pa.array([], type=kind).cast(target)
     except (pa.ArrowException, NotImplementedError):
         return None
-    return target
+    return without_views(target)
+
+
+def without_views(kind: pa.DataType) -> pa.DataType:
+    """kind with string_view and binary_view (at any depth) as string and binary."""
+    if getattr(pa.types, "is_string_view", lambda _: False)(kind):
+        return pa.string()
+    if getattr(pa.types, "is_binary_view", lambda _: False)(kind):
+        return pa.binary()
+    if pa.types.is_struct(kind):
+        return pa.struct([f.with_type(without_views(f.type)) for f in kind])
+    if pa.types.is_map(kind):
+        key, item = kind.key_field, kind.item_field
+        return pa.map_(without_views(key.type), item.with_type(without_views(item.type)))
+    if pa.types.is_list(kind):
+        return pa.list_(kind.value_field.with_type(without_views(kind.value_type)))
+    if pa.types.is_large_list(kind):
+        return pa.large_list(kind.value_field.with_type(without_views(kind.value_type)))
+    if pa.types.is_fixed_size_list(kind):
+        value = kind.value_field.with_type(without_views(kind.value_type))
+        return pa.list_(value, kind.list_size)
+    return kind

@@ -42,8 +42,10 @@ from batchgen.io.fs import (
 )
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
+    check_not_compressed,
     folder_skips,
     glob_skips,
+    read_order,
     saved_dataset_on_a_store,
 )
 from batchgen.io.output_schema import common_type
@@ -67,6 +69,14 @@ MAX_REASON_CHARS = 300  # an underlying exception's text, cut to keep messages o
 _UTF8_BOM = b"\xef\xbb\xbf"
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # UTF-32 LE starts with the UTF-16 LE mark
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # name or owner/name
+# what a compressed file begins with -> its kind (binary: no JSON Lines text begins so)
+_COMPRESSED_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"PK\x03\x04", "zip"),
+)
+_BZIP2_BLOCK = b"\x31\x41\x59\x26\x53\x59"  # after "BZh" and the block size digit
 _FILE_SUFFIXES = {*EXTENSIONS, ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz"}
 _BLANK_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*\n", re.MULTILINE)  # the bytes.strip() set
 _BLANK_AFTER_FIRST = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
@@ -274,10 +284,12 @@ def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
     if path.is_dir():
         fmt = "jsonl" if config.format == OPENAI_BATCH else config.format
         wanted = {ext for ext, kind in EXTENSIONS.items() if fmt in ("auto", kind)}
+        found = [p for p in path.rglob("*") if not folder_skips(p.relative_to(path))]
+        for p in found:
+            check_not_compressed(p.relative_to(path).as_posix(), wanted)
         files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.suffix.lower() in wanted and p.is_file() and not folder_skips(p.relative_to(path))
+            (p for p in found if p.suffix.lower() in wanted and p.is_file()),
+            key=lambda p: read_order(p.relative_to(path)),
         )
         if not files:
             raise BatchgenError(
@@ -296,6 +308,8 @@ def find_files(config: InputConfig) -> list[tuple[Path, str]] | None:
 
 def _format_of(files: list[tuple[Path, str]], raw: str) -> str:
     unknown = [name for path, name in files if path.suffix.lower() not in EXTENSIONS]
+    for name in unknown:
+        check_not_compressed(name, EXTENSIONS)
     if unknown:
         raise BatchgenError(
             f"cannot tell the format of {unknown[0]!r} from its extension: rename it to "
@@ -345,6 +359,11 @@ def _open_parquet(files: list[tuple[Path, str]], config: InputConfig) -> InputSo
                 f"cannot read the schema of parquet file {name!r} ({_reason(exc)}): "
                 "flatten or replace it"
             ) from exc
+        twice = next((n for i, n in enumerate(schema.names) if n in schema.names[:i]), None)
+        if twice is not None:  # a reader by name would take one of them silently
+            raise BatchgenError(
+                f"parquet file {name!r} has two columns named {twice!r}: rename one of them"
+            )
         columns.update(dict.fromkeys(schema.names))
         for f in schema:
             types.setdefault(f.name, set()).add(f.type)
@@ -525,6 +544,12 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
         known = identity(path)
         with path.open("rb") as f:
             head = f.read(COUNT_CHUNK_BYTES)
+            packed = _compression_of(head)
+            if packed is not None:
+                raise BatchgenError(
+                    f"{name!r} is {packed}-compressed, not JSON Lines text: batchgen reads jsonl "
+                    "files uncompressed: decompress it first"
+                )
             if head.startswith(_UTF16_BOMS):
                 raise BatchgenError(
                     f"{name!r} is UTF-16 or UTF-32 text, not UTF-8: convert it, e.g. "
@@ -566,6 +591,13 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
     except OSError as exc:
         raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
     return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks, spans)
+
+
+def _compression_of(head: bytes) -> str | None:
+    """The compression a file beginning with `head` is in, or None."""
+    if head.startswith(b"BZh") and head[4:10] == _BZIP2_BLOCK:
+        return "bzip2"
+    return next((kind for magic, kind in _COMPRESSED_MAGIC if head.startswith(magic)), None)
 
 
 def _is_json_document(head: bytes) -> bool:

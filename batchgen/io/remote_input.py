@@ -21,8 +21,10 @@ from batchgen.io.fs import (
 )
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
+    check_not_compressed,
     folder_skips,
     glob_skips,
+    read_order,
     saved_dataset_on_a_store,
 )
 
@@ -46,11 +48,13 @@ def find_objects(raw: str, wanted: set[str]) -> list[tuple[ObjectPath, str]]:
         found = list(root.rglob("*"))
         if any(str(path.relative_to(root)) in SAVED_DATASET_MARKERS for path in found):
             raise saved_dataset_on_a_store(raw)
-        files = [
-            path
-            for path in found
-            if path.suffix.lower() in wanted and not folder_skips(path.relative_to(root))
-        ]
+        kept = [path for path in found if not folder_skips(path.relative_to(root))]
+        for path in kept:
+            check_not_compressed(path.relative_to(root).as_posix(), wanted)
+        files = sorted(
+            (path for path in kept if path.suffix.lower() in wanted),
+            key=lambda path: read_order(path.relative_to(root)),
+        )
     except BatchgenError:
         raise
     except Exception as exc:  # the store library's own errors (auth, bucket, network)
