@@ -42,7 +42,9 @@ from batchgen.io.checkpoint import (
     DamagedManifest,
     Manifest,
     check_directory_writable,
+    committed_ids,
     identity_changes,
+    moved_files,
     read_manifest,
     remove_result_files,
     remove_temp_files,
@@ -55,7 +57,7 @@ from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_location import check_output_access, check_output_outside_input
 from batchgen.io.output_schema import INPUT_HASH, output_columns, shard_schema
 from batchgen.pipeline import Consumer, Producer, Stats, wait_for
-from batchgen.prompts import RowPrompt, check_template_bos
+from batchgen.prompts import RowPrompt, check_template_bos, row_id
 from batchgen.row_share import ALONE, RowShare
 from batchgen.spec import JobSpec
 from batchgen.summary import JobSummary
@@ -270,6 +272,8 @@ def _with_engine(
     columns = job_columns(spec, source)
     if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:
         verify_rows(spec, source, committed)
+    elif force_resume and previous is not None and committed.indexes:
+        check_kept_positions(spec, source, layout, committed, previous.identity.get("input"))
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
@@ -527,6 +531,48 @@ def verify_rows(spec: JobSpec, source: InputSource, committed: Committed) -> Non
         f"the input now has fewer rows than the output directory holds results for (up to "
         f"row {last}): the input changed; use another output directory, or delete it"
     )
+
+
+def check_kept_positions(
+    spec: JobSpec,
+    source: InputSource,
+    layout: OutputLayout,
+    committed: Committed,
+    recorded: dict[str, Any] | None,
+) -> None:
+    """--force-resume keeps committed rows at their input positions: refused where the input
+    no longer holds them there (a file gone or put before the earlier ones, fewer rows than
+    are committed, another id at a committed row's position: rows inserted or removed), which
+    would leave an input row without its result and give another one two. Rows edited in
+    place, or added after the others, keep their positions."""
+    if recorded == source.fingerprint():
+        return
+    fix = f"use another output directory, or delete '{layout.dir}' to start over"
+    where = "--force-resume keeps committed rows at their input positions, but"
+    moved = moved_files(recorded, source.fingerprint())
+    if moved is not None:
+        raise BatchgenError(f"{where} {moved}: {fix}")
+    last = max(committed.indexes)
+    if source.num_rows is not None and last >= source.num_rows:
+        raise BatchgenError(
+            f"{where} the input now has {source.num_rows:,} rows and row {last:,} is committed: "
+            f"{fix}"
+        )
+    column = spec.prompt.id_column
+    if column is None:
+        return
+    ids = committed_ids(layout)
+    for batch in source.batches([column]):
+        for row in batch:
+            want = ids.get(row.index)
+            got = None if row.values is None else row_id(column, row.index, row.values)
+            if want is not None and got is not None and got != want:
+                raise BatchgenError(
+                    f"{where} input row {row.index:,} now has id {got!r} and its committed "
+                    f"result is for id {want!r} (rows were inserted or removed): {fix}"
+                )
+            if row.index >= last:
+                return
 
 
 def _read_columns(spec: JobSpec) -> list[str] | None:

@@ -241,7 +241,7 @@ class PromptBuilder:
         cfg = self.config
         given = None if cfg.id_column is None else values.get(cfg.id_column)
         compound = isinstance(given, NOT_SCALAR)  # its text would be Python's repr of it
-        raw_id = str(index) if cfg.id_column is None else "" if compound else _str_id(given)
+        raw_id = _raw_id(cfg.id_column, index, values)
         row_id = writable(raw_id)
         passthrough, bad_column = _passthrough(values, cfg.passthrough)
         try:
@@ -651,5 +651,15 @@ def check_template_bos(config: PromptConfig, tokenizer: Any) -> None:
         )
 
 
-def _str_id(value: Any) -> str:
-    return "" if value is None else str(value)
+def _raw_id(id_column: str | None, index: int, values: dict[str, Any]) -> str:
+    """A row's id as text: its position without an id column, else the column's value ("" for
+    a missing one, or a list or an object, which is no id)."""
+    if id_column is None:
+        return str(index)
+    given = values.get(id_column)
+    return "" if given is None or isinstance(given, NOT_SCALAR) else str(given)
+
+
+def row_id(id_column: str | None, index: int, values: dict[str, Any]) -> str:
+    """The id a row's results are written under."""
+    return writable(_raw_id(id_column, index, values))

@@ -57,6 +57,43 @@ def test_changed_input_content_is_refused(job, tmp_path: Path) -> None:
     assert forced.complete and forced.summary.run_rows_ok == 0
 
 
+def test_force_resume_refuses_an_input_whose_rows_moved(job, tmp_path: Path) -> None:
+    """--force-resume keeps committed rows at their input positions: a row inserted before
+    them (another id at a committed position), an input shorter than the committed rows, or a
+    file put before the earlier one would leave a row without its result and give another
+    two, so each is refused before any row is written; an edit in place or rows added at the
+    end go on (the old rows stay)."""
+    out = tmp_path / "out"
+    ids = ("prompt.id_column='uid'",)
+    stop = StopAfterShards(out, 1, rows=4)
+    first = job(*ids, "output.shard_rows=2", stop=stop, hooks=stop.hooks)
+    assert not first.complete and first.summary.rows_committed_total >= 2
+    before = sorted(p.name for p in (out / "shards").iterdir())
+    shifted = [{"uid": "new", "prompt": "Inserted first."}, *jsonl_rows(PROMPTS)]
+    write_jsonl(tmp_path / "in.jsonl", shifted)
+    with pytest.raises(BatchgenError, match=r"keeps committed rows at their input positions, "
+                       r"but input row 0 now has id 'new' and its committed result is for id "
+                       r"'u0' \(rows were inserted or removed\)"):  # fmt: skip
+        job(*ids, force_resume=True)
+    write_jsonl(tmp_path / "in.jsonl", jsonl_rows(PROMPTS[:1]))
+    with pytest.raises(BatchgenError, match=r"the input now has 1 rows and row \d+ is committed"):
+        job(*ids, force_resume=True)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == before, "nothing written"
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    write_jsonl(folder / "b.jsonl", jsonl_rows(PROMPTS))
+    assert job(inp=folder, out=tmp_path / "parts-out").complete
+    write_jsonl(folder / "a.jsonl", [{"uid": "x", "prompt": "Sorted before b."}])
+    with pytest.raises(BatchgenError, match=r"'a.jsonl' now comes where 'b.jsonl' came"):
+        job(inp=folder, out=tmp_path / "parts-out", force_resume=True)
+    edited = [p.replace("number", "digit") for p in PROMPTS]  # in place: positions kept
+    write_jsonl(tmp_path / "in.jsonl", jsonl_rows([*edited, "Row 12: one more."]))
+    forced = job(*ids, force_resume=True)
+    assert forced.complete
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [f"u{i}" for i in range(len(PROMPTS) + 1)]
+
+
 def test_the_input_change_names_the_file_added_gone_or_edited() -> None:
     """Files are compared by name first: one added before the others, or one removed, is
     named as such, not as the file that now sits in its place in read order."""

@@ -102,6 +102,30 @@ def describe_input_change(old: dict[str, Any] | None, new: dict[str, Any] | None
     return "its fingerprint differs"
 
 
+def moved_files(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str | None:
+    """Why an input's files no longer hold its earlier rows at their positions (a file gone,
+    or another put before or among the earlier ones), else None: the earlier files, each under
+    its name or with its content, come first and in their order. Within a file rows may have
+    changed; other kinds of input cannot be told."""
+    if not old or not new or old.get("kind") != "files" or new.get("kind") != "files":
+        return None
+    a, b = old["files"], new["files"]
+    for i, x in enumerate(a):
+        if i >= len(b):
+            return f"{x['name']!r} is gone"
+        y = b[i]
+        if x["name"] != y["name"] and (x["size"], x["sha256"]) != (y["size"], y["sha256"]):
+            return f"{y['name']!r} now comes where {x['name']!r} came in read order"
+    return None
+
+
+def committed_ids(layout: OutputLayout) -> dict[int, str]:
+    """index -> id of every committed row (read again from the shards)."""
+    return {
+        row["index"]: row["id"] for path in layout.shard_paths() for row in iter_shard_rows(path)
+    }
+
+
 def _file_change(name: str, x: dict[str, Any], y: dict[str, Any]) -> str:
     if x["size"] != y["size"]:
         return f"{name!r}: {x['size']:,} -> {y['size']:,} bytes"
