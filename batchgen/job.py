@@ -214,6 +214,7 @@ def run_job(
         resolve_model_path(spec.model.path)
         check_model_before_load(spec)
     layout = OutputLayout(spec.output.dir)
+    check_output_access(layout.dir)  # on a store: list, write and delete, before the lock
     with output_lock(layout) as lock:
         previous, current = check_output_dir(spec, layout, source, force_resume)
         startup = {} if process_s is None else {"process": process_s}

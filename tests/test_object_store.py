@@ -562,3 +562,28 @@ def test_a_long_jsonl_object_is_read_at_a_cost_per_line_that_does_not_grow(
     local_rows, local_ranked, _ = read_counting(str(tmp_path / "d.jsonl"), monkeypatch)
     assert rows == local_rows and ranked == local_ranked and len(rows) == 2999
     assert given < 4 * len(data), given
+
+
+def test_a_folder_marker_is_an_empty_folder_and_a_delete_refusal_is_one_line(
+    s3: S3, model_dir, monkeypatch
+) -> None:
+    """A console-made folder (the empty `name/` object) is an empty output folder, as an
+    empty local one is; credentials that may write but not delete there are refused in one
+    line before any model work (a job deletes its lock and temp objects), naming the delete."""
+    from batchgen.io.fs import ObjectPath
+
+    model = model_dir("llama")
+    s3.put("mark/in/a.parquet", prompts_parquet(12))
+    s3.put("mark/out/", b"")
+    assert run_job(spec_for(model, s3.url("mark/in"), s3.url("mark/out"))).complete
+
+    def refused(self: ObjectPath, missing_ok: bool = False) -> None:
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(ObjectPath, "unlink", refused)
+    loads: list[str] = []
+    monkeypatch.setattr("batchgen.job.load_engine", lambda *a, **k: loads.append("load"))
+    match = r"deleting s3://.*mark/none/\.tmp-validate-\d+ was refused \(Access Denied\)"
+    with pytest.raises(BatchgenError, match=match + ".*a job deletes its lock and temp objects"):
+        run_job(spec_for(model, s3.url("mark/in"), s3.url("mark/none")))
+    assert not loads and all(".tmp-validate-" in k for k in s3.keys("mark/none/"))

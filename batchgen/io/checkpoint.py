@@ -451,7 +451,8 @@ def remove_result_files(layout: OutputLayout) -> None:
     written again when the job completes, and one left beside the shards of a job that grew
     (--force-resume) and then stopped would lack the new rows. Call only under the lock."""
     for path in layout.result_files():
-        path.unlink(missing_ok=True)
+        if path.exists():  # a delete of nothing is a request some credentials may not make
+            path.unlink()
 
 
 def iter_shard_rows(path: AnyPath) -> Iterator[dict[str, Any]]:

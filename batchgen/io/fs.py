@@ -567,10 +567,14 @@ class ObjectPath:
                 yield path
 
     def _ls(self) -> list[str]:
+        """The keys one level down, without the prefix's own folder marker (the empty
+        `name/` object a store's console makes for a folder: the folder, not a file in it)."""
         try:
-            return self.fs.ls(self.fs_path, detail=False)
+            listed = self.fs.ls(self.fs_path, detail=False)
         except FileNotFoundError:
             return []
+        own = self.fs_path.rstrip("/")
+        return [key for key in listed if key.rstrip("/") != own]
 
     def unlink(self, missing_ok: bool = False) -> None:
         if not missing_ok and not self.fs.exists(self.fs_path):
@@ -612,7 +616,10 @@ class ObjectPath:
             return 0
         folder = self.key.partition("/")[2]  # "" at the bucket's root: every upload in it
         prefix = f"{folder}/" if folder else ""
-        uploads = self.fs.list_multipart_uploads(self.bucket)
+        try:
+            uploads = self.fs.list_multipart_uploads(self.bucket)
+        except PermissionError:  # credentials without s3:ListBucketMultipartUploads: such
+            return 0  # uploads (never readable, never results) stay to the bucket's lifecycle
         mine = [u for u in uploads if u["Key"].startswith(prefix)]
         for upload in mine:
             self.fs.abort_mpu(self.bucket, upload["Key"], upload["UploadId"])

@@ -91,6 +91,13 @@ def check_output_access(out_dir: AnyPath) -> None:
     try:
         list(out_dir.iterdir())
         write_atomic(probe, lambda f: f.write(b"batchgen validate\n"))
-        probe.unlink(missing_ok=True)
     except Exception as exc:  # the store library's own errors (auth, bucket, network)
         raise store_error(exc, out_dir, "writing") from exc
+    try:
+        probe.unlink(missing_ok=True)
+    except Exception as exc:  # a job deletes its lock, temp files and outdated result files
+        error = store_error(exc, probe, "deleting")
+        raise BatchgenError(
+            f"{error}; a job deletes its lock and temp objects under its output, so it needs "
+            "this too (the probe object is left: remove it once allowed)"
+        ) from exc
