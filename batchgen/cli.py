@@ -398,9 +398,8 @@ class _stop_on_signals:
         self.received.append(signum)
         self.stop.set()
         if self.echo:
-            click.echo(
-                "\nbatchgen: stopping after the step in flight (Ctrl-C again to abort)", err=True
-            )
+            again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+            click.echo(f"\nbatchgen: stopping after the step in flight{again}", err=True)
 
     def __enter__(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):

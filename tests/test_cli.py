@@ -320,3 +320,23 @@ def test_ctrl_c_outside_a_run_does_not_speak_of_rows(
     monkeypatch.setattr(batchgen.job, "check_job", interrupted)
     code, output = invoke("validate", "--input", str(prompts), "--output", str(tmp_path / "o"))
     assert code == 130 and output.strip() == "batchgen: interrupted", output
+
+
+def test_the_stop_line_offers_a_second_ctrl_c_only_after_a_ctrl_c(capsys) -> None:
+    """SIGTERM (a scheduler, the launcher of a lost rank) stops after the step in flight; only
+    a Ctrl-C's line offers another Ctrl-C to abort."""
+    import signal
+    import threading
+
+    from batchgen.cli import _stop_on_signals
+
+    lines = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        stop = threading.Event()
+        _stop_on_signals(stop, [])._handle(signum, None)
+        assert stop.is_set()
+        lines.append(capsys.readouterr().err.strip())
+    assert lines == [
+        "batchgen: stopping after the step in flight",
+        "batchgen: stopping after the step in flight (Ctrl-C again to abort)",
+    ]
