@@ -587,3 +587,23 @@ def test_a_folder_marker_is_an_empty_folder_and_a_delete_refusal_is_one_line(
     with pytest.raises(BatchgenError, match=match + ".*a job deletes its lock and temp objects"):
         run_job(spec_for(model, s3.url("mark/in"), s3.url("mark/none")))
     assert not loads and all(".tmp-validate-" in k for k in s3.keys("mark/none/"))
+
+
+def test_a_read_refused_under_a_prefix_names_the_object_and_the_credentials(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.io.fs import ObjectPath
+
+    s3.put("denied/in/a.jsonl", b'{"prompt": "hi"}\n')
+    opened = ObjectPath.open
+
+    def refused(self: ObjectPath, *args: Any, **kwargs: Any) -> Any:
+        if self.key.endswith("a.jsonl"):
+            raise PermissionError("Access Denied")
+        return opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectPath, "open", refused)
+    code, output = validate("--input", s3.url("denied/in"), "--output", s3.url("denied/out"))
+    assert code == 2 and output.count("\n") == 1, output
+    assert f"reading {s3.url('denied/in/a.jsonl')} was refused (Access Denied)" in output
+    assert "check the credentials" in output

@@ -35,10 +35,12 @@ from batchgen.io.fs import (
     check_pinned,
     common_folder,
     identity,
+    is_object,
     open_pinned,
     reads_are_conditional,
     scheme_of,
     sha256_of,
+    store_error,
 )
 from batchgen.io.input_names import (
     SAVED_DATASET_MARKERS,
@@ -258,7 +260,7 @@ def _sha256(path: Path, pinned: Pin | None = None) -> str:
             check_pinned(path, pinned)  # the hash is of the file the rows are read from
             pinned.sha256 = digest
     except OSError as exc:
-        raise BatchgenError(f"cannot read {str(path)!r} ({_reason(exc)}): check the file") from exc
+        raise unreadable(exc, path, str(path)) from exc
     return digest
 
 
@@ -422,6 +424,14 @@ def _parquet_rows(
             raise parquet_failure(exc, name, damaged) from exc
 
 
+def unreadable(exc: OSError, path: Path, name: str) -> BatchgenError:
+    """A file that cannot be read, as one line: a store's refusal names the object and the
+    credentials to check; anything else the file."""
+    if isinstance(exc, PermissionError) and is_object(path):
+        return store_error(exc, path, "reading")
+    return BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file")
+
+
 def parquet_failure(exc: BaseException, name: str, damaged: str) -> BatchgenError:
     """A Parquet read's failure as one line: its store's (a broken transfer, a refusal: the
     store's own line, what to do) or else the file's content (`damaged`)."""
@@ -470,9 +480,7 @@ def jsonl_mentions(paths: list[Path], names: list[str]) -> set[str]:
                             found.add(name)
                     tail = window[-longest:]
         except OSError as exc:
-            raise BatchgenError(
-                f"cannot read {str(path)!r} ({_reason(exc)}): check the file"
-            ) from exc
+            raise unreadable(exc, path, str(path)) from exc
     return found
 
 
@@ -589,7 +597,7 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
         # the scan, or its bytes hash as the scan's did
         check_pinned(path, Pin(name, known, digest.hexdigest()), stores=True)
     except OSError as exc:
-        raise BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file") from exc
+        raise unreadable(exc, path, name) from exc
     return JsonlScan(rows + (not partial_blank), digest.hexdigest(), marks, spans)
 
 
