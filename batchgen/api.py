@@ -25,6 +25,7 @@ from batchgen.engine import Engine, EngineConfig, SamplingParams
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.io import InputConfig, OutputConfig, dataset_source
+from batchgen.io.arrow_values import holds_nanoseconds
 from batchgen.io.fs import arrow_file, scheme_of
 from batchgen.io.output_schema import output_columns as schema_columns
 from batchgen.job import run_job
@@ -278,13 +279,7 @@ def _holds_nanoseconds(schema: pa.Schema) -> bool:
     gives them as pandas values, and a stream declared with features encodes each example
     again, which cuts pandas values to microseconds: such a stream is returned without
     features, its rows as the input gives them."""
-
-    def nanos(kind: pa.DataType) -> bool:
-        if pa.types.is_timestamp(kind) or pa.types.is_duration(kind):
-            return kind.unit == "ns"
-        return any(nanos(kind.field(i).type) for i in range(kind.num_fields))
-
-    return any(nanos(field.type) for field in schema)
+    return any(holds_nanoseconds(field.type) for field in schema)
 
 
 def _no_op() -> None:

@@ -274,7 +274,8 @@ def _with_engine(
     if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:
         verify_rows(spec, source, committed)
     elif force_resume and previous is not None and committed.indexes:
-        check_kept_positions(spec, source, layout, committed, previous.identity.get("input"))
+        recorded = previous.identity.get("input")
+        check_kept_positions(spec, source, layout, committed, recorded, current["input"])
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
@@ -540,17 +541,19 @@ def check_kept_positions(
     layout: OutputLayout,
     committed: Committed,
     recorded: dict[str, Any] | None,
+    now: dict[str, Any] | None,
 ) -> None:
     """--force-resume keeps committed rows at their input positions: refused where the input
     no longer holds them there (a file gone or put before the earlier ones, fewer rows than
     are committed, another id at a committed row's position: rows inserted or removed), which
     would leave an input row without its result and give another one two. Rows edited in
-    place, or added after the others, keep their positions."""
-    if recorded == source.fingerprint():
+    place, or added after the others, keep their positions. recorded, now: the input's
+    fingerprint as the earlier run recorded it and as it is."""
+    if recorded == now:
         return
     fix = f"use another output directory, or delete '{layout.dir}' to start over"
     where = "--force-resume keeps committed rows at their input positions, but"
-    moved = moved_files(recorded, source.fingerprint())
+    moved = moved_files(recorded, now)
     if moved is not None:
         raise BatchgenError(f"{where} {moved}: {fix}")
     last = max(committed.indexes)

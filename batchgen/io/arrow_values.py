@@ -199,6 +199,14 @@ def check_exact(
             )
 
 
+def holds_nanoseconds(kind: pa.DataType) -> bool:
+    """Whether kind is, or holds at any depth, timestamps or durations in nanoseconds."""
+    return any(
+        (pa.types.is_timestamp(part) or pa.types.is_duration(part)) and part.unit == "ns"
+        for part, _ in _parts(kind, top=True)
+    )
+
+
 def _parts(kind: pa.DataType, top: bool) -> Iterable[tuple[pa.DataType, bool]]:
     """The type and every type inside it, each with whether it is the column's own."""
     yield kind, top

@@ -120,9 +120,11 @@ def moved_files(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str |
 
 
 def committed_ids(layout: OutputLayout) -> dict[int, str]:
-    """index -> id of every committed row (read again from the shards)."""
+    """index -> id of every committed row (read again from the shards, those columns only)."""
     return {
-        row["index"]: row["id"] for path in layout.shard_paths() for row in iter_shard_rows(path)
+        row["index"]: row["id"]
+        for path in layout.shard_paths()
+        for row in iter_shard_rows(path, ["index", "id"])
     }
 
 
@@ -455,10 +457,11 @@ def remove_result_files(layout: OutputLayout) -> None:
             path.unlink()
 
 
-def iter_shard_rows(path: AnyPath) -> Iterator[dict[str, Any]]:
+def iter_shard_rows(path: AnyPath, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """A shard's rows (of Parquet, only `columns` where given; JSON Lines rows whole)."""
     if path.suffix == ".parquet":
         with arrow_file(path) as f:
-            for batch in pq.ParquetFile(f).iter_batches(1024):
+            for batch in pq.ParquetFile(f).iter_batches(1024, columns=columns):
                 yield from batch.to_pylist()
         return
     with path.open("rb") as f:
