@@ -265,17 +265,12 @@ def _with_engine(
     except ValueError as exc:
         raise BatchgenError(f"[sampling] {exc}") from None
     current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
-    check_resumable(layout, previous, current, IDENTITY_PARTS, force_resume)
-    resuming = claim(layout, spec, current, previous)
-    remove_temp_files(layout)
-    remove_result_files(layout)
-    committed = scan_committed(layout, note)
+    resuming, committed = take_directory(
+        spec, source, layout, previous, current, bool(force_resume), note
+    )
     columns = job_columns(spec, source)
     if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:
         verify_rows(spec, source, committed)
-    elif force_resume and previous is not None and committed.indexes:
-        recorded = previous.identity.get("input")
-        check_kept_positions(spec, source, layout, committed, recorded, current["input"])
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
@@ -501,6 +496,31 @@ def _check_shard_format(layout: OutputLayout, format: str) -> None:
         f"output directory '{layout.dir}' holds {held[0]} shards: set output.format to "
         f"{held[0]} to resume it, or use a new output directory for {format} output"
     )
+
+
+def take_directory(
+    spec: JobSpec,
+    source: InputSource,
+    layout: OutputLayout,
+    previous: Manifest | None,
+    current: dict[str, Any],
+    force: bool,
+    note: Callable[[str], None],
+) -> tuple[bool, Committed]:
+    """Make the output directory this job's (the lock held, the model loaded): the job must be
+    the one the manifest records (or --force-resume), its committed rows read and, under
+    --force-resume, still at their input positions; only then is the manifest written and what
+    killed writers and the last run's result files left removed -> (resuming, committed).
+    A refusal leaves the manifest as it was, so the next run is checked against it again."""
+    check_resumable(layout, previous, current, IDENTITY_PARTS, force)
+    committed = scan_committed(layout, note)
+    if force and previous is not None and committed.indexes:
+        recorded = previous.identity.get("input")
+        check_kept_positions(spec, source, layout, committed, recorded, current["input"])
+    resuming = claim(layout, spec, current, previous)
+    remove_temp_files(layout)
+    remove_result_files(layout)
+    return resuming, committed
 
 
 def claim(

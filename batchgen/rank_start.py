@@ -6,8 +6,9 @@
    manifest (nothing is written yet);
 2. every rank loads its engine; every rank's identity (settings, input, model) goes to rank 0;
 3. rank 0: every rank must run the job rank 0 runs (the same input and model on every node)
-   and the one the manifest records; it writes the manifest, removes what killed writers left,
-   reads the committed set, and sends it, with the lock's run, to every rank.
+   and the one the manifest records; it reads the committed set (under --force-resume, the
+   committed rows must keep their input positions), writes the manifest, removes what killed
+   writers left, and sends the committed set, with the lock's run, to every rank.
 No rank writes into the output directory before step 3 is passed.
 """
 
@@ -29,9 +30,6 @@ from batchgen.io.checkpoint import (
     IDENTITY_PARTS,
     Manifest,
     identity_changes,
-    remove_result_files,
-    remove_temp_files,
-    scan_committed,
 )
 from batchgen.io.object_lock import OutputLock
 from batchgen.io.output_schema import RowCounts
@@ -39,10 +37,10 @@ from batchgen.job import (
     check_job,
     check_model_before_load,
     check_resumable,
-    claim,
     load_engine,
     previous_run,
     result_settings,
+    take_directory,
     verify_rows,
 )
 from batchgen.spec import JobSpec
@@ -119,12 +117,8 @@ def start_rank(
                     f"rank {k} and rank 0 do not run the same job ({changes[0]}, from rank "
                     f"{k}'s to rank 0's): give every rank the same input, model and settings"
                 )
-        current = identities[0]
-        check_resumable(layout, previous, current, IDENTITY_PARTS, force)
-        resuming = claim(layout, spec, current, previous)
-        remove_temp_files(layout)  # no rank writes before this step is passed
-        remove_result_files(layout)
-        committed = scan_committed(layout, note)
+        current = identities[0]  # no rank writes before this step is passed
+        resuming, committed = take_directory(spec, source, layout, previous, current, force, note)
         if resuming and current["input"] is None and committed.indexes:
             verify_rows(mine, source, committed)
         return Plan(committed.indexes, resuming, lock.run, source.num_rows, committed.counts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,6 +233,31 @@ def test_an_error_on_rank_0_stops_every_rank_with_the_same_line(job, tmp_path, s
         assert len(lines) == 1 and message in lines[0], stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_force_resume_on_ranks_refuses_rows_that_moved_and_keeps_the_record(job, tmp_path, started):
+    """`--gpus 2 --force-resume` keeps committed rows at their input positions, as one process
+    does: a row inserted at the top is refused in one line before anything is written, and the
+    manifest still records the input the rows came from, so a plain run after it refuses too."""
+    out = tmp_path / "out"
+    shutil.copytree(job.input.parent / "ref", out)  # every row committed by one process
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rows = job.input.read_text().splitlines(keepends=True)
+    moved = tmp_path / job.input.name
+    moved.write_text(json.dumps({"uid": "new", "prompt": "Inserted first."}) + "\n" + "".join(rows))
+    sets = (f"input.path={json.dumps(str(moved))}",)
+    for extra, message in (
+        (["--force-resume"], "input row 0 now has id 'new' and its committed result is for id "
+         "'row-000'"),
+        ([], "the input changed"),
+    ):  # fmt: skip
+        cmd = [*command(job, out, sets=sets), "--gpus", "2", *extra]
+        launcher = start(started, cmd, **env())
+        _, stderr = launcher.communicate(timeout=300)
+        lines = [line for line in stderr.splitlines() if line.startswith("batchgen:")]
+        assert launcher.returncode == 2 and len(lines) == 1 and message in lines[0], stderr
+    after = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "job.lock"}
+    assert after == {k: v for k, v in before.items() if k != "job.lock"}, "nothing written"
 
 
 def test_a_rank_checks_that_the_lock_is_still_its_runs(tmp_path):

@@ -75,6 +75,8 @@ def test_force_resume_refuses_an_input_whose_rows_moved(job, tmp_path: Path) -> 
                        r"but input row 0 now has id 'new' and its committed result is for id "
                        r"'u0' \(rows were inserted or removed\)"):  # fmt: skip
         job(*ids, force_resume=True)
+    with pytest.raises(BatchgenError, match=r"the input changed"):  # the refusal kept the record
+        job(*ids)
     write_jsonl(tmp_path / "in.jsonl", jsonl_rows(PROMPTS[:1]))
     with pytest.raises(BatchgenError, match=r"the input now has 1 rows and row \d+ is committed"):
         job(*ids, force_resume=True)
