@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from batchgen.distributed import Failure, Group, exit_words, peer_exits
+from batchgen.distributed import RANK_EXITS, Failure, Group, exit_words, peer_exits
 
 BEAT_S = 0.5  # how often a rank publishes its beat and reads the others'
+EXIT_NOTE_S = 5.0  # how long a rank that lost the store waits for the launcher's note of rank 0
 WAIT_POLL_S = 0.2  # the main thread's wait, in steps that let it take signals
 
 
@@ -83,6 +84,26 @@ class Stop(NamedTuple):
     rank: int  # the rank that stopped (or was lost); -1: the group's store was lost
     why: str  # one line naming it
     failure: Failure | None = None
+
+
+def _store_lost(me: int, exc: Exception) -> Stop:
+    """Why the store went: rank 0's exit where `batchgen run --gpus N` notes it (its launcher
+    notes an exit within a poll; waited for up to EXIT_NOTE_S), else the store's own error."""
+    deadline = time.monotonic() + EXIT_NOTE_S
+    while os.environ.get(RANK_EXITS):
+        code = peer_exits(me).get(0)
+        if code is not None:
+            return Stop(0, f"rank 0 {exit_words(code)}")
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    lines = str(exc).strip().splitlines()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return Stop(
+        -1,
+        f"lost the job's store at {where} ({(lines or [type(exc).__name__])[0][:200]}): "
+        "rank 0, or the torchrun that hosts the store, stopped",
+    )
 
 
 def publish_first_beat(group: Group) -> None:
@@ -164,13 +185,7 @@ class Heartbeat:
                 self._tick()
                 self._closing.wait(BEAT_S)
         except Exception as exc:  # the store is gone: its host (rank 0 or torchrun) stopped
-            lines = str(exc).strip().splitlines()
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            why = (
-                f"lost the job's store at {where} ({(lines or [type(exc).__name__])[0][:200]}): "
-                "rank 0, or the torchrun that hosts the store, stopped"
-            )
-            self._stop_by(Stop(-1, why))
+            self._stop_by(_store_lost(self.rank, exc))
         finally:
             self._ended.set()
             self._done.set()

@@ -1,5 +1,5 @@
-"""`batchgen run --gpus N`: start N ranks of the same command on this machine (what torchrun
-does for one node, without torchrun).
+"""`batchgen run --gpus N`: start N ranks of the same command on this machine (what torchrun does
+for one node, without torchrun).
 
 Each rank is the same command again, with the environment torchrun would give it: RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT (rank 0
@@ -9,11 +9,12 @@ once, so Ctrl-C stops the job and a second Ctrl-C aborts it, as for one process.
 exits with an error stops the others through the heartbeat; a rank killed by a signal is not
 heard from, so the others are sent SIGTERM at once (they commit and exit). Any rank still
 running GRACE_S later is sent SIGTERM, and SIGKILL after GRACE_S more. The exit status is rank
-0's. A rank whose launcher dies (SIGKILL, which it cannot pass on) sends itself SIGTERM
-(`watch_launcher`): it commits and exits instead of running on unattended, holding the output
-directory. The launcher notes each rank's exit status in a folder the ranks know (RANK_EXITS):
-the others' heartbeat counts a rank whose exit is noted lost at once, and a rank still waiting
-to meet the others stops at once, naming it.
+0's (where a signal killed rank 0, another rank's, whose line says so). A rank whose launcher
+dies (SIGKILL, which it cannot pass on) sends itself SIGTERM (`watch_launcher`): it commits and
+exits instead of running on unattended, holding the output directory. The launcher notes each
+rank's exit status in a folder the ranks know (RANK_EXITS): the others' heartbeat counts a rank
+whose exit is noted lost at once, and a rank still waiting to meet the others stops at once,
+naming it.
 """
 
 from __future__ import annotations
@@ -76,8 +77,16 @@ def _launch(ranks: int, argv: list[str], exits: Path) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _signal_all(procs, signal.SIGKILL)
-    code = procs[0].returncode
-    return 128 - code if code < 0 else code
+    return _job_status([p.returncode for p in procs])
+
+
+def _job_status(codes: list[int]) -> int:
+    """Rank 0's exit status; where rank 0 was killed by a signal, that of the first rank that
+    stopped on its own (its line names rank 0's end), else 128 + the signal."""
+    code = codes[0]
+    if code >= 0:
+        return code
+    return next((c for c in codes[1:] if c > 0), 128 - code)
 
 
 def watch_launcher() -> None:

@@ -478,18 +478,22 @@ def test_a_rank_that_exits_before_the_ranks_meet_stops_the_other_at_once(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_a_rank_of_gpus_n_killed_mid_run_stops_the_other_at_once_naming_it(job, tmp_path, started):
-    """SIGKILL of rank 1 of `batchgen run --gpus 2` while both generate: the launcher sees it
-    at once and so does rank 0 (not runtime.heartbeat_timeout_s later): it commits and stops
-    with one line naming rank 1 and its signal (exit 1); the same command finishes the job."""
+@pytest.mark.parametrize("killed", ["1", "0"])
+def test_a_rank_of_gpus_n_killed_mid_run_stops_the_other_at_once_naming_it(
+    job, tmp_path, started, killed
+):
+    """SIGKILL of one rank of `batchgen run --gpus 2` while both generate: the launcher sees it
+    at once and so does the other rank (not runtime.heartbeat_timeout_s later; rank 0 killed
+    takes the store it hosts): it commits and stops with one line naming the killed rank and
+    its signal (exit 1); the same command finishes the job."""
     out = tmp_path / "out"
     launcher, cmd = start_two_committing(started, job, out)
-    rank_1 = next(pid for pid in children_of(launcher.pid) if _rank_of(pid) == "1")
-    os.kill(rank_1, signal.SIGKILL)
+    victim = next(pid for pid in children_of(launcher.pid) if _rank_of(pid) == killed)
+    os.kill(victim, signal.SIGKILL)
     _, stderr = launcher.communicate(timeout=300)
     assert launcher.returncode == 1, stderr
     assert stderr.strip().splitlines()[-1] == (
-        "batchgen: error: rank 1 was killed by SIGKILL: the committed rows are kept in "
+        f"batchgen: error: rank {killed} was killed by SIGKILL: the committed rows are kept in "
         f"{out}; run the same command again to resume"
     )
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True)
