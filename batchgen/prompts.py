@@ -338,10 +338,12 @@ class PromptBuilder:
     def _for_template(self, message: dict[str, Any]) -> dict[str, Any]:
         """A message as the chat template takes it, as vLLM passes it: a developer message as a
         system one where the template does not name that role; text parts joined for a
-        template that renders content as text, text as one part for one that loops over it."""
+        template that renders content as text, and for a tool message whatever the template
+        (templates render a tool's result as text, some with tojson); text as one part for a
+        template that loops over content."""
         if message.get("role") == "developer" and not self.knows_developer:
             message = {**message, "role": "system"}
-        if self.content_format == "string":
+        if self.content_format == "string" or message.get("role") == "tool":
             return _joined(message)
         content = message.get("content")
         if isinstance(content, str):
@@ -444,10 +446,17 @@ def _messages(value: Any, column: str) -> list[dict[str, Any]]:
         )
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict):
             raise ValueError(
                 f"column {column!r} message {i} must be an object with a string role and its "
                 f"content, not {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str):
+            got = "has no role" if role is None else f"has a role of {type(role).__name__}"
+            raise ValueError(
+                f"column {column!r} message {i} {got}: give each message a role as text "
+                "(system, user, assistant, tool) and its content"
             )
         try:
             out.append(chat_message(message))

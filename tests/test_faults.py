@@ -96,7 +96,8 @@ def test_chat_rows_with_bad_messages_are_error_rows(model_dir, tmp_path: Path) -
         ).complete
         got = read_rows(out)
         assert got[0]["error"] is None
-        assert all("must be an object with a string role" in r["error"] for r in got[1:])
+        assert "message 0 must be an object with a string role" in got[1]["error"]
+        assert "message 0 has no role: give each message a role as text" in got[2]["error"]
 
 
 def test_over_long_rows_are_refused_by_length_before_tokenizing(model_dir, tmp_path: Path) -> None:

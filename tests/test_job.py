@@ -446,6 +446,37 @@ def test_text_reaches_a_template_that_loops_over_content_as_one_part(model_dir) 
     assert "system\nBe brief.<|im_end|>" in text and "user\nTell me a joke<|im_end|>" in text
 
 
+TOOL_AS_JSON = (  # loops over content, renders a tool's result with tojson, as Llama 4's does
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>ipython\n{{ m.content | tojson }}"
+    "{% else %}<|im_start|>{{ m.role }}\n{% for part in m.content %}{{ part.text }}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_tool_result_reaches_a_template_that_loops_over_content_as_text(model_dir) -> None:
+    """A tool message's content reaches the template as text (its text parts joined by
+    newlines) whatever the template's content format, as vLLM passes it: templates render a
+    tool's result as text, and one part wrapped in a list would put the list's JSON in the
+    prompt. The prompt is Hugging Face's for the row's own messages."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    tokenizer.chat_template = TOOL_AS_JSON
+    builder = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    user = {"role": "user", "content": "Weather in Paris?"}
+    parts = [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21C"}]
+    for content, shown in (("sunny, 21C", '"sunny, 21C"'), (parts, '"sunny\\n21C"')):
+        messages = [user, {"role": "tool", "tool_call_id": "c1", "content": content}]
+        text = tokenizer.decode(builder.build(0, {"m": messages}).prompt_ids)
+        assert f"<|im_start|>ipython\n{shown}<|im_end|>" in text, text
+    as_parts = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}
+    messages = [as_parts, {"role": "tool", "content": "sunny, 21C"}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(builder.build(0, {"m": messages}).prompt_ids) == expected
+
+
 def test_a_template_that_renders_part_of_a_messages_text_parts_is_an_error_row(
     model_dir,
 ) -> None:
