@@ -109,8 +109,13 @@ def template_fields(template: str) -> list[str]:
     except ValueError as exc:
         raise ValueError(f"template {template!r} is malformed: {exc}") from exc
     names = [name for _, name, _, _ in parsed]
-    if any(not n or not n.isidentifier() for n in names):
-        raise ValueError(f"template {template!r} must name columns like {{column}}")
+    for name in names:  # any other name is a column's, spaces and dashes too ({first name})
+        if not name or name.isdigit() or "." in name or "[" in name:
+            raise ValueError(
+                f"template {template!r} has the field {{{name}}}, which str.format reads as a "
+                "positional argument or as an attribute or item of a column: name a column, "
+                "as {column}"
+            )
     for _, name, spec, conversion in parsed:
         if spec and ("{" in spec or "}" in spec):
             raise ValueError(

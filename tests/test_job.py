@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -917,6 +918,26 @@ def test_a_template_field_holding_a_list_or_object_is_an_error_row(
     assert ok["prompt_token_ids"] == tokenizer("Write 3 lines on rain.").input_ids
     assert "template field 'topic' holds list" in listed["error"]
     assert "template field 'topic' holds dict" in obj["error"]
+
+
+def test_a_template_names_any_column_that_str_format_reads_as_a_key(model_dir) -> None:
+    """Column names with spaces or dashes fill their fields as str.format_map fills them; a
+    field str.format reads otherwise ({} and {0}: positional; {a.b} and {a[0]}: an attribute
+    or an item of a column) is refused up front, naming it."""
+    from transformers import AutoTokenizer
+
+    from batchgen.prompts import PromptBuilder, PromptConfig, template_fields
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    template = "Hi {first name}, about {question-text}:"
+    row = {"first name": "Ada", "question-text": "why?"}
+    built = PromptBuilder(PromptConfig(template=template), tokenizer, 500, SamplingParams())
+    (got,) = built.build_many([(0, row)])
+    assert got.prompt_ids == tokenizer(template.format_map(row)).input_ids
+    assert template_fields(template) == ["first name", "question-text"]
+    for field in ("{}", "{0}", "{a.b}", "{a[0]}"):
+        with pytest.raises(ValueError, match=f"has the field {re.escape(field)}, which str.format"):
+            template_fields("Q: " + field)
 
 
 def test_a_template_field_whose_value_its_format_spec_cannot_take_is_an_error_row(
