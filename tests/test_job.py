@@ -1193,6 +1193,33 @@ def test_vllm_sampling_names_and_a_lone_stop_string() -> None:
     assert SamplingParams(top_k=-1) == SamplingParams()
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
+    made = SamplingParams(max_tokens=5, min_tokens=2)  # as vLLM's SamplingParams is made
+    assert (made.max_new_tokens, made.min_new_tokens) == (5, 2)
+    with pytest.raises(ValueError, match=r"unknown sampling field\(s\) \['temprature'\]: use "):
+        SamplingParams(temprature=0.5)
+
+
+def test_numpy_numbers_are_taken_as_pythons() -> None:
+    """A seed drawn by a NumPy Generator, a float32 temperature: taken as the int or float
+    they hold (vLLM takes them), and kept as Python's numbers."""
+    import numpy as np
+
+    from batchgen import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=np.int64(5),
+        seed=np.random.default_rng(0).integers(0, 2**31),
+        temperature=np.float32(0.5),
+        top_p=np.float16(0.5),
+        stop_token_ids=[np.int32(3)],
+    )
+    assert params == SamplingParams(
+        max_new_tokens=5, seed=int(params.seed), temperature=0.5, top_p=0.5, stop_token_ids=[3]
+    )
+    assert type(params.seed) is int and type(params.stop_token_ids[0]) is int
+    assert type(params.temperature) is float
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be an integer"):
+        SamplingParams(max_new_tokens=np.int64(0))
 
 
 WARM_SCRIPT = """

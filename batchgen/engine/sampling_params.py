@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -43,8 +44,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Lists become tuples and a lone stop string a one-element tuple; anything else that
         is not what a field takes is a ValueError naming it (never a TypeError)."""
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for f in fields(self):  # NumPy's numbers (a seed drawn by a Generator) as Python's
+            object.__setattr__(self, f.name, _plain(getattr(self, f.name)))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            object.__setattr__(self, "stop_token_ids", tuple(map(_plain, self.stop_token_ids)))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
@@ -77,17 +80,39 @@ class SamplingParams:
     def replace(self, **overrides: Any) -> SamplingParams:
         """A copy with some fields changed; unknown fields are an error naming them. vLLM's
         names (max_tokens, min_tokens) are accepted for ours."""
-        overrides = resolve_aliases(overrides)
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling field(s) {unknown}: use {sorted(known)}")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(overrides)
-        return SamplingParams(**values)
+        return SamplingParams(**{**values, **resolve_aliases(overrides)})
 
 
 ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}  # vLLM's names
+
+_fields_init = SamplingParams.__init__
+
+
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    """SamplingParams(...) takes vLLM's names too (max_tokens, min_tokens); an unknown name is
+    a ValueError naming the fields, as for replace()."""
+    kwargs = resolve_aliases(kwargs)
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling field(s) {unknown}: use {sorted(known)}")
+    _fields_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]
+
+
+def _plain(value: Any) -> Any:
+    """A number of another type (NumPy's int64, float32) as Python's int or float; anything
+    else as it is."""
+    if type(value) in (int, float, bool) or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def resolve_aliases(values: dict[str, Any]) -> dict[str, Any]:
