@@ -203,7 +203,7 @@ def _end_on_rank0(
         raise
     done = total([ends[k].progress if k in ends else beat.last[k] for k in range(beat.world)])
     beat.on_beat = None  # the bar's last update is this thread's
-    bar.update(done.rows - bar.n)
+    _show(bar, started, done)
     phases: dict[str, float] = {}
     for end in ends.values():  # the job waited for the slowest rank in each phase
         for phase, seconds in end.startup_s.items():
@@ -265,13 +265,17 @@ def _progress(bar: tqdm, started: float) -> Callable[[list[Progress]], None]:
     """Rank 0's bar: every rank's rows and tokens (each beat)."""
 
     def on_beat(progress: list[Progress]) -> None:
-        done = total(progress)
-        hit = done.cached_prompt_tokens / max(done.admitted_prompt_tokens, 1)
-        elapsed = time.perf_counter() - started
-        show_rates(bar, elapsed, done.prompt_tokens, done.generated_tokens, done.rows_error, hit)
-        bar.update(done.rows - bar.n)
+        _show(bar, started, total(progress))
 
     return on_beat
+
+
+def _show(bar: tqdm, started: float, done: Progress) -> None:
+    """The bar at the job's totals so far: its rows, rates and error rows."""
+    hit = done.cached_prompt_tokens / max(done.admitted_prompt_tokens, 1)
+    elapsed = time.perf_counter() - started
+    show_rates(bar, elapsed, done.prompt_tokens, done.generated_tokens, done.rows_error, hit)
+    bar.update(done.rows - bar.n)
 
 
 def _to_stderr(message: str) -> None:

@@ -307,6 +307,8 @@ def _run(
         stats, producer, profile = run_pipeline(
             spec, source, engine, layout, done, columns, stop, hooks, on_row, lock.check
         )
+        show_rates(bar, time.perf_counter() - started, stats.prompt_tokens,  # the last rows'
+                   stats.generated_tokens, stats.rows_error, cache().hit_rate)  # fmt: skip
     after = scan_committed(layout, _to_stderr)
     # a stop that came once every row was committed leaves the job complete
     complete = producer.finished and after.indexes >= set(range(producer.rows_read))

@@ -920,6 +920,20 @@ def test_a_template_field_holding_a_list_or_object_is_an_error_row(
     assert "template field 'topic' holds dict" in obj["error"]
 
 
+def test_the_progress_bar_ends_at_the_jobs_error_count(model_dir, tmp_path: Path, capfd) -> None:
+    """The bar's rates and error count are refreshed at most twice a second while rows come,
+    and once more at the end: its last line counts every error row, not those of its last
+    refresh."""
+    rows = [{"prompt": "Hello there"}] + [{"prompt": ""} for _ in range(6)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", "sampling.max_new_tokens=2",
+                    "runtime.quiet=false")  # fmt: skip
+    result = run_job(spec)
+    assert result.complete and result.summary.rows_error == 6
+    last = capfd.readouterr().err.split("\r")[-1]
+    assert "7/7" in last and "errors=6" in last, last
+
+
 def test_a_template_names_any_column_that_str_format_reads_as_a_key(model_dir) -> None:
     """Column names with spaces or dashes fill their fields as str.format_map fills them; a
     field str.format reads otherwise ({} and {0}: positional; {a.b} and {a[0]}: an attribute
