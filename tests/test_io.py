@@ -671,6 +671,30 @@ def test_float32_values_read_as_their_own_shortest_text(tmp_path: Path) -> None:
         assert str(rows[0]["f64"]) == "0.1" and type(rows[0]["f64"]) is float
 
 
+def test_a_pass_through_type_parquet_cannot_store_is_refused_before_the_job(
+    tmp_path: Path,
+) -> None:
+    """An object without fields (struct<>, at any depth) of a datasets input: Parquet shards
+    cannot hold it, so a Parquet job is refused in one line naming the column before any
+    model work (it failed at every commit); a JSON Lines job takes it."""
+    from batchgen.job import check_job
+
+    datasets = pytest.importorskip("datasets")
+    data = {"prompt": ["a", "b"], "e": [{}, {}], "deep": [[{}], []], "ok": [{"x": 1}, {}]}
+    datasets.Dataset.from_dict(data).save_to_disk(str(tmp_path / "saved"))
+    values = {"input.path": str(tmp_path / "saved"), "output.dir": str(tmp_path / "out")}
+    for column, kind in (("e", "struct<>"), ("deep", "list<item: struct<>>")):
+        spec = load_spec(None, values={**values, "prompt.passthrough": ["ok", column]})
+        with pytest.raises(BatchgenError) as excinfo:
+            check_job(spec)
+        assert one_line_error(excinfo).startswith(
+            f"pass-through column {column!r} has the type {kind}, which Parquet cannot store"
+        )
+        as_lines = {**values, "prompt.passthrough": [column], "output.format": "jsonl"}
+        check_job(load_spec(None, values=as_lines))
+    check_job(load_spec(None, values={**values, "prompt.passthrough": ["ok"]}))
+
+
 def test_columns_whose_nanoseconds_would_be_cut_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

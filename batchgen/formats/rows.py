@@ -14,7 +14,7 @@ from batchgen.io.arrow_values import check_exact
 from batchgen.io.final import write_final
 from batchgen.io.output_schema import RESERVED
 from batchgen.io.readers import OPENAI_BATCH
-from batchgen.io.writer import Columns, MayNotFit
+from batchgen.io.writer import Columns, MayNotFit, parquet_stores
 from batchgen.prompts import PromptBuilder
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class RowsFormat:
 
     def check_columns(self, spec: JobSpec, source: InputSource) -> None:
         _check_schema_types(spec, source)
+        _check_parquet_types(spec, source)
         check_exact(source.types, spec.prompt.columns_used(), source.nanosecond_times)
         if source.columns is None:
             return
@@ -102,6 +103,21 @@ class RowsFormat:
     def report(self, spec: JobSpec, source: InputSource) -> str:
         rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"
         return f"{source.description}, {rows} rows"
+
+
+def _check_parquet_types(spec: JobSpec, source: InputSource) -> None:
+    """A pass-through column is written with the type the input declares; Parquet shards
+    cannot hold some (an object without fields), and would fail at every commit."""
+    if spec.output.format != "parquet":
+        return
+    for name in spec.prompt.passthrough:
+        kind = source.types.get(name)
+        if kind is not None and name not in source.promoted and not parquet_stores(kind):
+            raise BatchgenError(
+                f"pass-through column {name!r} has the type {kind}, which Parquet cannot store "
+                '(an object without fields): set output.format = "jsonl", or leave the '
+                "column out of prompt.passthrough"
+            )
 
 
 def _check_schema_types(spec: JobSpec, source: InputSource) -> None:

@@ -187,6 +187,12 @@ def encode_parquet(rows: list[Row], columns: Columns, f: IO[bytes]) -> None:
     f.write(data)
 
 
+def parquet_stores(type: pa.DataType) -> bool:
+    """Whether a Parquet file can hold a column of this type (not an object without fields,
+    struct<>, at any depth)."""
+    return _parquet_bytes(pa.table({"c": pa.array([], type=type)})) is not None
+
+
 def _parquet_bytes(table: pa.Table) -> bytes | None:
     sink = pa.BufferOutputStream()
     try:
