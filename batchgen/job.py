@@ -148,6 +148,8 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     if engine is None:
         dtype = resolve_dtype(spec.engine, resolve_device(spec.engine))
         out["runtime.seed"] = spec.engine.seed
+        if spec.engine.max_model_len is not None:  # the engine's; unset: the model's, once loaded
+            out["runtime.max_model_len"] = spec.engine.max_model_len
     else:
         dtype = engine.dtype
         out["runtime.seed"] = engine.config.seed
@@ -266,11 +268,9 @@ def _with_engine(
         raise BatchgenError(f"[sampling] {exc}") from None
     current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
     resuming, committed = take_directory(
-        spec, source, layout, previous, current, bool(force_resume), note
+        spec, source, layout, previous, current, bool(force_resume), note, hooks.verify_rows
     )
     columns = job_columns(spec, source)
-    if resuming and current["input"] is None and committed.indexes and hooks.verify_rows:
-        verify_rows(spec, source, committed)
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
@@ -365,7 +365,10 @@ def check_output_dir_before_lock(spec: JobSpec, source: InputSource, force: bool
         check_output_access(layout.dir)  # a probe object: a store's permissions show no other way
     else:
         check_directory_writable(layout.dir)
-    check_output_dir(spec, layout, source, force, new_needs_input=False)
+    previous, current = check_output_dir(spec, layout, source, force, new_needs_input=False)
+    if previous is not None:  # its committed rows as `run` checks them, none moved aside
+        committed = scan_committed(layout, _to_stderr, aside=False)
+        check_committed(spec, source, layout, previous, current, force, committed)
 
 
 def check_model_before_load(spec: JobSpec) -> None:
@@ -508,21 +511,50 @@ def take_directory(
     current: dict[str, Any],
     force: bool,
     note: Callable[[str], None],
+    verify: bool = True,
 ) -> tuple[bool, Committed]:
     """Make the output directory this job's (the lock held, the model loaded): the job must be
-    the one the manifest records (or --force-resume), its committed rows read and, under
-    --force-resume, still at their input positions; only then is the manifest written and what
-    killed writers and the last run's result files left removed -> (resuming, committed).
-    A refusal leaves the manifest as it was, so the next run is checked against it again."""
+    the one the manifest records (or --force-resume) and its committed rows this input's
+    (check_committed); only then is the manifest written and what killed writers and the last
+    run's result files left removed -> (resuming, committed). A refusal leaves the directory
+    as it was (but for damaged shards moved aside), so the next run is checked against the
+    same record. verify: an input without a fingerprint is read again row by row here."""
     check_resumable(layout, previous, current, IDENTITY_PARTS, force)
     committed = scan_committed(layout, note)
-    if force and previous is not None and committed.indexes:
-        recorded = previous.identity.get("input")
-        check_kept_positions(spec, source, layout, committed, recorded, current["input"])
+    check_committed(spec, source, layout, previous, current, force, committed, verify)
     resuming = claim(layout, spec, current, previous)
     remove_temp_files(layout)
     remove_result_files(layout)
     return resuming, committed
+
+
+def check_committed(
+    spec: JobSpec,
+    source: InputSource,
+    layout: OutputLayout,
+    previous: Manifest | None,
+    current: dict[str, Any],
+    force: bool | None,
+    committed: Committed,
+    verify: bool = True,
+) -> None:
+    """The committed rows must be this input's (reads only): none past the input's last row
+    (a shard of another job copied in), at their input positions under --force-resume, and,
+    for an input without a fingerprint (verify), each still the row it was."""
+    if not committed.indexes:
+        return
+    if force and previous is not None:
+        recorded = previous.identity.get("input")
+        check_kept_positions(spec, source, layout, committed, recorded, current["input"])
+    if verify and current["input"] is None:
+        verify_rows(spec, source, committed)
+    last = max(committed.indexes)
+    if source.num_rows is not None and last >= source.num_rows:
+        raise BatchgenError(
+            f"the output directory holds a result for row {last:,} but the input has "
+            f"{source.num_rows:,} rows: a shard in {layout.shards} is another job's; remove it, "
+            "or use another output directory"
+        )
 
 
 def claim(

@@ -41,7 +41,6 @@ from batchgen.job import (
     previous_run,
     result_settings,
     take_directory,
-    verify_rows,
 )
 from batchgen.spec import JobSpec
 
@@ -119,8 +118,6 @@ def start_rank(
                 )
         current = identities[0]  # no rank writes before this step is passed
         resuming, committed = take_directory(spec, source, layout, previous, current, force, note)
-        if resuming and current["input"] is None and committed.indexes:
-            verify_rows(mine, source, committed)
         return Plan(committed.indexes, resuming, lock.run, source.num_rows, committed.counts)
 
     publish_first_beat(group)  # every rank's beat exists once the step below is passed

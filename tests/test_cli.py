@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -186,6 +188,22 @@ def test_validate_refuses_what_run_refuses_before_model_work(
     (tmp_path / "notjob").mkdir()
     (tmp_path / "notjob" / "notes.txt").write_text("x")
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "out")
+    two = tmp_path / "two.jsonl"  # another row before this input's one
+    two.write_text(json.dumps({"prompt": "first"}) + "\n" + prompts.read_text())
+    longer = ["--input", str(two), "--output", str(tmp_path / "longer"), "--quiet"]
+    assert invoke("run", *base, *longer, "--set", "output.shard_rows=1")[0] == 0
+    foreign = tmp_path / "foreign"  # `done` with a shard of the longer job's row 1 copied in
+    shutil.copytree(done, foreign)
+    row_1 = next(
+        p for p in (tmp_path / "longer" / "shards").iterdir()
+        if pq.read_table(p, columns=["index"])["index"].to_pylist() == [1]
+    )  # fmt: skip
+    shutil.copy(row_1, foreign / "shards")
+    twice = tmp_path / "twice"  # `done` with its shard copied under another name
+    shutil.copytree(done, twice)
+    (shard,) = (twice / "shards").iterdir()
+    shutil.copy(shard, shard.with_name(shard.name.replace("-000", "-900")))
     cases = {
         "does not exist": ["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")],
         "holds no batchgen job": ["--output", str(tmp_path / "notjob")],
@@ -193,6 +211,15 @@ def test_validate_refuses_what_run_refuses_before_model_work(
         "afile is a file": ["--output", str(tmp_path / "afile" / "sub")],
         "max_new_tokens changed": ["--output", done, "--max-new-tokens", "3"],
         "holds parquet shards": ["--output", done, "--output-format", "jsonl"],
+        "setting runtime.max_model_len changed (64 -> 32)": [
+            *("--output", done, "--set", "runtime.max_model_len=32"),
+        ],
+        "keeps committed rows at their input positions, but 'two.jsonl' now comes where": [
+            *("--output", done, "--input", str(two), "--force-resume"),
+        ],
+        "holds a result for row 1 but the input has 1 rows: a shard in": ["--output", str(foreign)],
+        "is committed in two shards": ["--output", str(twice)],
+        "dangling is a symbolic link to": ["--output", str(tmp_path / "dangling")],
         "context of 64 tokens": [
             "--output",
             str(tmp_path / "o2"),

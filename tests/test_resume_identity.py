@@ -96,6 +96,42 @@ def test_force_resume_refuses_an_input_whose_rows_moved(job, tmp_path: Path) -> 
     assert [r["id"] for r in rows] == [f"u{i}" for i in range(len(PROMPTS) + 1)]
 
 
+def test_a_streamed_input_whose_row_changed_is_refused_leaving_the_directory_as_it_was(
+    model_dir, tmp_path: Path
+) -> None:
+    """An input without a fingerprint (a streamed IterableDataset) is read again row by row on
+    resume: a changed row is refused before the directory changes (the result file and the
+    manifest stay, with --force-resume and a new setting too), so the next runs are checked
+    against the same record; the rows restored, the job resumes as it was."""
+    datasets = pytest.importorskip("datasets")
+    from batchgen.io import dataset_source
+
+    def source(prompts: list[str]):
+        rows = datasets.Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+        return dataset_source(rows, 4, "stream")
+
+    out = tmp_path / "out"
+
+    def run(prompts: list[str], *sets: str, **kw):
+        spec = spec_for(model_dir("llama"), tmp_path / "unused.jsonl", out, *SAMPLED, *sets)
+        return run_job(spec, source=source(prompts), **kw)
+
+    assert run(PROMPTS).complete
+    kept = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    edited = [*PROMPTS[:1], "Row 1: another text.", *PROMPTS[2:]]
+    for sets, force in (((), False), (("sampling.max_new_tokens=7",), True)):
+        with pytest.raises(BatchgenError, match="input row 1 is not the row the output directory"):
+            run(edited, *sets, force_resume=force)
+        now = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert {k: v for k, v in now.items() if k != "job.lock"} == {
+            k: v for k, v in kept.items() if k != "job.lock"
+        }, "nothing changed"
+    with pytest.raises(BatchgenError, match=r"sampling.max_new_tokens changed \(6 -> 7\)"):
+        run(PROMPTS, "sampling.max_new_tokens=7")  # the manifest still records 6
+    resumed = run(PROMPTS)
+    assert resumed.complete and resumed.summary.run_rows_ok == 0
+
+
 def test_the_input_change_names_the_file_added_gone_or_edited() -> None:
     """Files are compared by name first: one added before the others, or one removed, is
     named as such, not as the file that now sits in its place in read order."""

@@ -209,6 +209,12 @@ def check_directory_writable(out: Path) -> None:
         raise BatchgenError(f"output directory '{out}' is a file: choose a directory path")
     existing = out.absolute()
     while not existing.exists():
+        if existing.is_symlink():  # a link to nothing: mkdir would find the link there
+            raise BatchgenError(
+                f"cannot create output directory '{out}' ({existing} is a symbolic link to "
+                f"'{os.readlink(existing)}', which does not exist): create that folder, or "
+                "choose another path"
+            )
         existing = existing.parent
     if not existing.is_dir():
         raise BatchgenError(
@@ -404,19 +410,24 @@ def _key(row: Any) -> Key:
     return index, sample
 
 
-def scan_committed(layout: OutputLayout, note: Callable[[str], None]) -> Committed:
+def scan_committed(
+    layout: OutputLayout, note: Callable[[str], None], aside: bool = True
+) -> Committed:
     """Read every shard's keys. A damaged shard is moved to damaged/ (its rows rerun), with a
-    note; a key committed in two shards is an error naming both."""
+    note (aside=False: noted only, nothing moved); a key committed in two shards is an error
+    naming both."""
     committed = Committed()
     where: dict[Key, str] = {}
     for path in layout.shard_paths():
         try:
             keys, hashes, counts = read_shard_keys(path)
         except DamagedShard as exc:
-            _move_aside(layout, path)
+            if aside:
+                _move_aside(layout, path)
             committed.damaged.append(path.name)
+            moved = "moved" if aside else "a run moves it"
             note(
-                f"shard {path.name} is damaged ({exc}): moved to {layout.damaged.name}/; "
+                f"shard {path.name} is damaged ({exc}): {moved} to {layout.damaged.name}/; "
                 "its rows are generated again"
             )
             continue
