@@ -371,6 +371,38 @@ def test_integer_bounds_beyond_64_bits_are_refused_before_any_output() -> None:
         )
 
 
+def test_a_schema_its_draft_does_not_allow_is_refused_before_any_output(
+    model_dir, tmp_path: Path, engines
+) -> None:
+    """A draft-07 list of item schemas (or a draft-04 boolean exclusiveMaximum) without
+    $schema: the grammar engine compiles it, but the check reads it as 2020-12, where it is no
+    valid schema, and would fail on every output. Refused as an error row, or by validate and
+    run before any output; with $schema naming its draft it runs, every output checked."""
+    from batchgen.job import check_model_before_load
+
+    pair = {"type": "array", "items": [{"type": "integer"}, {"type": "boolean"}], "minItems": 2}
+    capped = {"type": "integer", "maximum": 5, "exclusiveMaximum": True}
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **pair}
+    prompts = [Prompt("Row p", "p", {"json_schema": pair, "max_new_tokens": 40})]
+    prompts += [Prompt("Row c", "c", {"json_schema": capped})]
+    prompts += [Prompt("Row 7", "7", {"json_schema": draft7, "max_new_tokens": 40})]
+    out = {o.request_id: o for o in engines[True].generate(prompts, SamplingParams())}
+    for key in ("p", "c"):
+        assert out[key].finish_reason == "error" and not out[key].output_token_ids
+        assert "is not a valid schema of its JSON Schema draft" in out[key].error, out[key].error
+    assert "not a valid schema" not in (out["7"].error or ""), out["7"]  # its draft takes it
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Item"}])
+    job_wide = f"sampling.json_schema={json.dumps(json.dumps(pair))}"
+    spec = spec_for(model_dir("llama"), inp, tmp_path / "out", job_wide)
+    with pytest.raises(
+        BatchgenError, match=r"\(\[\{'type': 'integer'\}, \{'type': 'boolean'\}\] is not"
+    ):
+        check_model_before_load(spec)
+    with pytest.raises(BatchgenError, match="is not a valid schema of its JSON Schema draft"):
+        run_job(spec)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "pattern",
     [

@@ -107,9 +107,14 @@ def unchecked_problem(spec: GrammarSpec) -> str | None:
                 "write it in the syntax both share (no named groups, POSIX classes or \\p{..})"
             )
     try:
-        _schema_validator(spec.source)
-    except Exception as exc:
-        return f"it cannot be read by jsonschema to check the outputs ({_line(exc)})"
+        _schema_validator(spec.source).check_schema(schema)
+    except Exception as exc:  # a schema of another draft: the check would fail on every output
+        what = getattr(exc, "message", None) or exc  # a SchemaError's first line
+        return (
+            f"it is not a valid schema of its JSON Schema draft, so its outputs cannot be "
+            f"checked ({_line(what)}): fix it, or name its draft with $schema (without one it "
+            "is read as 2020-12, where a list of item schemas is prefixItems, not items)"
+        )
     return None
 
 
