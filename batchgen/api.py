@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import Engine, EngineConfig, SamplingParams
+from batchgen.engine.sampling_params import resolve_aliases
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.io import InputConfig, OutputConfig, dataset_source
@@ -173,7 +174,9 @@ class Generator:
                 "sampling_column)"
             )
         try:
-            if not isinstance(sampling, SamplingParams):
+            given = None  # a SamplingParams: used as it is, as vLLM's generate uses one
+            if not isinstance(sampling, SamplingParams):  # a dict: the model's for the rest
+                given = tuple(sorted(resolve_aliases(sampling or {})))
                 sampling = SamplingParams().replace(**(sampling or {}))
             return JobSpec(
                 input=InputConfig(path="dataset", batch_rows=batch_rows),
@@ -183,6 +186,7 @@ class Generator:
                 sampling=sampling,
                 engine=self.engine.config,
                 pipeline=PipelineConfig(quiet=not progress),
+                sampling_given=given,
             )
         except ValueError as exc:
             raise BatchgenError(f"generate: {exc}") from exc

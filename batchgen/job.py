@@ -8,6 +8,7 @@ before the model loads, the model after), and only then is the manifest written.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import sys
@@ -134,6 +135,33 @@ def job_columns(spec: JobSpec, source: InputSource) -> Columns:
     return shard_schema(own, passthrough, input_hash=source.fingerprint() is None)
 
 
+def model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> dict[str, Any]:
+    """The model's recommended sampling values (runtime.generation_config) that the job
+    takes: those of the fields its own [sampling] does not set."""
+    if spec.sampling_given is None:
+        return {}
+    return {k: v for k, v in engine.generation_defaults.items() if k not in spec.sampling_given}
+
+
+def with_model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> JobSpec:
+    """The job as it runs: its [sampling] with the model's recommended values taken."""
+    taken = model_defaults(spec, engine)
+    return dataclasses.replace(spec, sampling=spec.sampling.replace(**taken)) if taken else spec
+
+
+def note_model_defaults(
+    spec: JobSpec, engine: Engine | EngineProcess, note: Callable[[str], None]
+) -> None:
+    """One line naming the model's recommended values the job takes, as vLLM warns."""
+    taken = model_defaults(spec, engine)
+    if taken:
+        values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+        note(
+            f"taking the model's generation_config.json values {values} where [sampling] "
+            'sets none (runtime.generation_config = "ignore" keeps batchgen\'s defaults)'
+        )
+
+
 def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     """Every setting that can change a row's output (flattened "section.key" -> value).
     Without an engine, the ones known before the model loads."""
@@ -154,6 +182,7 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
         dtype = engine.dtype
         out["runtime.seed"] = engine.config.seed
         out["runtime.max_model_len"] = engine.max_model_len
+        out["model.generation_defaults"] = model_defaults(spec, engine)
     out["runtime.dtype"] = str(dtype).removeprefix("torch.")
     return out
 
@@ -262,8 +291,9 @@ def _with_engine(
         check_template_bos(spec.prompt, engine.tokenizer)
     except ValueError as exc:
         raise BatchgenError(str(exc)) from None
+    running = with_model_defaults(spec, engine)  # the job as it runs; `spec` as it was given
     try:  # a job-wide value the model cannot take is one error, not one per row
-        engine.check_sampling(spec.sampling)
+        engine.check_sampling(running.sampling)
     except ValueError as exc:
         raise BatchgenError(f"[sampling] {exc}") from None
     current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
@@ -271,13 +301,16 @@ def _with_engine(
         spec, source, layout, previous, current, bool(force_resume), note, hooks.verify_rows
     )
     columns = job_columns(spec, source)
+    if not spec.pipeline.quiet:
+        note_model_defaults(spec, engine, note)
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()
     with off_cores(kept):  # the job's threads leave the engine process its cores
         return _run(
-            spec, source, engine, layout, committed, columns, stop, hooks, resuming, lock, startup
-        )
+            running, source, engine, layout, committed, columns, stop, hooks, resuming, lock,
+            startup,
+        )  # fmt: skip
 
 
 def _run(

@@ -38,9 +38,11 @@ from batchgen.job import (
     check_model_before_load,
     check_resumable,
     load_engine,
+    note_model_defaults,
     previous_run,
     result_settings,
     take_directory,
+    with_model_defaults,
 )
 from batchgen.spec import JobSpec
 
@@ -123,4 +125,6 @@ def start_rank(
     publish_first_beat(group)  # every rank's beat exists once the step below is passed
     plan = group.agree_on_root(prepare)
     source = dataclasses.replace(source, num_rows=plan.num_rows)  # the same on every rank
-    return Started(mine, source, engine, plan, startup)
+    if group.rank == 0 and not spec.pipeline.quiet:
+        note_model_defaults(mine, engine, note)
+    return Started(with_model_defaults(mine, engine), source, engine, plan, startup)

@@ -124,6 +124,9 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # the [sampling] fields the job itself sets; the others take the model's recommended
+    # values where it has some (runtime.generation_config); None: every field is the job's
+    sampling_given: tuple[str, ...] | None = None
 
     def engine_cores(self, allowed: set[int]) -> frozenset[int]:
         """The cores of `allowed` kept for the engine's own process (engine_cpus)."""
@@ -338,11 +341,16 @@ def spec_from_table(table: dict[str, Any]) -> JobSpec:
         for name, classes in SECTIONS.items()
     }
     engine, pipeline = built.pop("runtime")
+    given = resolve_aliases(table.get("sampling", {}))
     if built["input"][0].format == OPENAI_BATCH:  # what a line's body does not give
-        given = resolve_aliases(table.get("sampling", {}))
         defaults = {k: v for k, v in OPENAI_DEFAULTS.items() if k not in given}
         built["sampling"] = [built["sampling"][0].replace(**defaults)]
-    return JobSpec(engine=engine, pipeline=pipeline, **{k: v[0] for k, v in built.items()})
+    return JobSpec(
+        engine=engine,
+        pipeline=pipeline,
+        sampling_given=tuple(sorted(given)),
+        **{k: v[0] for k, v in built.items()},
+    )
 
 
 def engine_config(overrides: list[str]) -> EngineConfig:

@@ -118,6 +118,34 @@ def test_stop_token_ends_like_hf_eos(model_dir) -> None:
     assert out.output_token_ids == expected and out.finish_reason == "stop"
 
 
+def test_end_of_sequence_ids_come_from_generation_config_json_where_the_folder_has_one(
+    model_dir, tmp_path
+) -> None:
+    """config.json's eos_token_id counts only where the folder has no generation_config.json
+    (transformers then derives one from config.json); a generation_config.json that names no
+    end-of-sequence id leaves the tokenizer's alone, as Hugging Face generate and vLLM stop."""
+    import json
+    import shutil
+
+    path = model_dir("llama")
+    prompt = random_prompts(1, 8, 8, VOCAB_LOW, seed=2)[0]
+    free_run = hf_greedy(path, prompt, 20)
+    other = free_run[5]  # config.json's end-of-sequence id below: not the tokenizer's
+    params = SamplingParams(max_new_tokens=20)
+    for name, generation_config in (("named-none", {"bos_token_id": 0}), ("absent", None)):
+        folder = shutil.copytree(path, tmp_path / name)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": other}))
+        (folder / "generation_config.json").unlink()
+        if generation_config is not None:
+            (folder / "generation_config.json").write_text(json.dumps(generation_config))
+        (out,) = engine_for(folder).generate([prompt], params)
+        expected = (
+            free_run if generation_config is not None else free_run[: free_run.index(other) + 1]
+        )
+        assert out.output_token_ids == expected, name
+
+
 def test_sliding_window_matches_hf(model_dir) -> None:
     path = model_dir("mistral", sliding_window=8)
     prompts = random_prompts(3, 5, 30, VOCAB_LOW, seed=9)

@@ -30,12 +30,14 @@ def _is_id(item: object) -> bool:
     return isinstance(item, Integral)
 
 
-def with_params(prompts: Iterable[Any], params: CallParams) -> Iterator[tuple[Any, SamplingParams]]:
-    """Each prompt with its params: the call's one SamplingParams (None: the defaults), or a
-    sequence of them paired one by one with a sized sequence of prompts of the same length.
-    BatchgenError for anything else."""
+def with_params(
+    prompts: Iterable[Any], params: CallParams, default: SamplingParams
+) -> Iterator[tuple[Any, SamplingParams]]:
+    """Each prompt with its params: the call's one SamplingParams (None: the engine's
+    `default`), or a sequence of them paired one by one with a sized sequence of prompts of the
+    same length. BatchgenError for anything else."""
     if params is None or isinstance(params, SamplingParams):
-        one = params or SamplingParams()
+        one = default if params is None else params
         return ((prompt, one) for prompt in prompts)
     odd = _not_params(params)
     if odd is not None:
@@ -64,11 +66,12 @@ def check_one_call(generating: bool) -> None:
         )
 
 
-def one_params(params: CallParams) -> SamplingParams:
-    """The call's one SamplingParams, for an engine served in another process, which takes one
-    per call (per-prompt settings ride on each Prompt's sampling overrides)."""
+def one_params(params: CallParams, default: SamplingParams) -> SamplingParams:
+    """The call's one SamplingParams (None: the engine's `default`), for an engine served in
+    another process, which takes one per call (per-prompt settings ride on each Prompt's
+    sampling overrides)."""
     if params is None or isinstance(params, SamplingParams):
-        return params or SamplingParams()
+        return default if params is None else params
     raise BatchgenError(
         f"an engine in its own process takes one SamplingParams per generate call, not "
         f"{_kind(params)}: give per-prompt settings as Prompt(..., sampling={{...}})"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from batchgen.errors import BatchgenError, check_field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GENERATION_CONFIGS = ("auto", "ignore")
 QUANTIZATIONS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -60,6 +61,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     fused_ops: bool = True  # fused RMSNorm / rotary / SiLU-and-mul kernels with the triton backend
     seed: int = 0  # base of per-request seeds when a request gives none
+    # "auto": the sampling defaults the model's generation config recommends (temperature,
+    # top_p, top_k, min_p, repetition_penalty, max_new_tokens) stand in for batchgen's where
+    # a call or a job sets none, as vLLM's generation_config="auto"; "ignore": batchgen's own
+    generation_config: str = "auto"
     # torch's intra-op threads on the CPU device; None = the cores this process may use less
     # one (left to the job's tokenizer and writer threads), at least 1, unless OMP_NUM_THREADS
     # is set (then torch's own choice stands). Also the structured-output mask fill's threads
@@ -77,6 +82,12 @@ class EngineConfig:
             "auto, cpu, cuda or cuda:N",
         )
         check_field(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        check_field(
+            self.generation_config in GENERATION_CONFIGS,
+            "generation_config",
+            self.generation_config,
+            " or ".join(GENERATION_CONFIGS),
+        )
         check_field(
             self.quantization in QUANTIZATIONS, "quantization", self.quantization, "unset or fp8"
         )

@@ -42,6 +42,7 @@ from batchgen.engine.model_loader import (
     kv_block_size,
     kv_cache_dtype,
     load_model,
+    model_sampling_defaults,
     model_shape,
     set_cpu_threads,
     weights_version,
@@ -130,6 +131,9 @@ class Engine:
         self.tokenizer = tokenizer
         clock.mark("load")
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
+        # the model's recommended sampling, for calls (and jobs) that set none of it
+        self.generation_defaults = model_sampling_defaults(self.model, self.config)
+        self.default_params = SamplingParams(**self.generation_defaults)
         # what decides outputs besides the settings (checked when a job resumes)
         self._fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids, adopted)
         self.shape = model_shape(self.model)
@@ -237,7 +241,7 @@ class Engine:
         still running are dropped (their prompts yield nothing).
         """
         check_one_call(self._generating)
-        source = with_params(as_prompts(prompts), params)
+        source = with_params(as_prompts(prompts), params, self.default_params)
         self._drop_stale_prefixes()
         if self.runner is not None:
             self.runner.watch_modes()  # a caller's model may be in train mode now

@@ -34,6 +34,7 @@ from batchgen.engine.quant.checkpoint import (
     load_fp8_checkpoint,
 )
 from batchgen.engine.quant.convert import check_coverage
+from batchgen.engine.sampling_params import generation_defaults
 from batchgen.engine.upload import upload_model
 from batchgen.errors import BatchgenError, first_line
 
@@ -426,11 +427,25 @@ def _longrope_limits(config: Any) -> list[int]:
     ]
 
 
+def model_sampling_defaults(model: PreTrainedModel, config: EngineConfig) -> dict[str, Any]:
+    """What the model's generation config (generation_config.json, else derived from
+    config.json) recommends for sampling, under generation_config "auto"; {} under "ignore"."""
+    gen = getattr(model, "generation_config", None)
+    if config.generation_config != "auto" or gen is None:
+        return {}
+    try:
+        return generation_defaults(gen, "the model's generation_config.json")
+    except ValueError as exc:
+        raise BatchgenError(f"{exc} (runtime.generation_config)") from None
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None:
+    if eos is None and (gen is None or getattr(gen, "_from_model_config", False)):
+        # config.json's ids only where no generation_config.json was read: one that names no
+        # end-of-sequence id stops on the tokenizer's alone (as Hugging Face and vLLM do)
         eos = model.config.get_text_config().eos_token_id
     if isinstance(eos, int):
         ids.add(eos)

@@ -85,6 +85,34 @@ class SamplingParams:
 
 
 ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}  # vLLM's names
+# the fields a model's generation config may give defaults for (vLLM takes these same ones)
+MODEL_DEFAULT_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
+
+
+def generation_defaults(generation_config: Any, where: str) -> dict[str, Any]:
+    """The sampling defaults a model's GenerationConfig recommends: its MODEL_DEFAULT_FIELDS
+    that are set (not None), as vLLM reads them (do_sample is not read: a temperature given
+    is a temperature used). ValueError naming `where` for a value no request could take."""
+    found = {
+        name: value
+        for name in MODEL_DEFAULT_FIELDS
+        if (value := getattr(generation_config, name, None)) is not None
+    }
+    try:
+        SamplingParams(**found)
+    except ValueError as exc:
+        raise ValueError(
+            f'{where} recommends {exc}: fix it, or set generation_config = "ignore"'
+        ) from None
+    return found
+
 
 _fields_init = SamplingParams.__init__
 

@@ -31,6 +31,9 @@ from batchgen.io.output_schema import COUNT_COLUMNS, INPUT_HASH, KEY_COLUMNS, Ro
 
 MANIFEST_VERSION = 2
 IDENTITY_PARTS = ("settings", "input", "model")
+# settings an earlier batchgen did not record, with the value they then had: an identity
+# without one is the same job where the setting still has that value
+UNRECORDED_SETTINGS: dict[str, Any] = {"model.generation_defaults": {}}
 Key = tuple[int, int]  # (input index, sample index)
 
 
@@ -53,6 +56,8 @@ def identity_changes(
             for key in sorted(new or {}):
                 a, b = (old or {}).get(key), (new or {}).get(key)
                 if key not in (old or {}):  # an identity written before batchgen recorded it
+                    if key in UNRECORDED_SETTINGS and b == UNRECORDED_SETTINGS[key]:
+                        continue
                     out.append(f"setting {key} was not recorded by the earlier run (now {b!r})")
                 elif a != b:
                     out.append(f"setting {key} changed ({a!r} -> {b!r})")

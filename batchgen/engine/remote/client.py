@@ -304,6 +304,8 @@ class EngineProcess:
         resolved = {k: facts[k] for k in ("block_size", "max_num_batched_tokens")}
         self.config = dataclasses.replace(self.config, **resolved)
         self.fingerprint = facts["fingerprint"]
+        self.generation_defaults: dict[str, Any] = facts["generation_defaults"]
+        self.default_params = SamplingParams(**self.generation_defaults)
         self.engine_startup_s = {"process": facts["process_s"], **facts["startup_s"]}
         self.startup_s = waited_phases(asked, time.monotonic(), facts["began_at"],
                                        facts["startup_s"])  # fmt: skip
@@ -326,7 +328,7 @@ class EngineProcess:
 
         self._check_open()
         check_one_call(self._generating)
-        params = one_params(params)
+        params = one_params(params, self.default_params)
         self._calls += 1
         call_id, self._taken, self._pending = self._calls, 0, {}
         recorder = self.recorder

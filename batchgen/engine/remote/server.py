@@ -355,6 +355,7 @@ def _facts(engine: Any) -> dict[str, Any]:
         "block_size": engine.config.block_size,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "fingerprint": engine.fingerprint,
+        "generation_defaults": engine.generation_defaults,
         "startup_s": engine.startup_s,
     }
 

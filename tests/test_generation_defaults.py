@@ -1,0 +1,110 @@
+"""A model's generation_config.json recommends sampling values (temperature, top_p, top_k,
+min_p, repetition_penalty, max_new_tokens): taken where a call or a job sets none of them, as
+vLLM's generation_config="auto" takes them; runtime.generation_config = "ignore" keeps
+batchgen's own defaults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchgen import BatchgenError, Engine, EngineConfig, SamplingParams
+from batchgen.job import run_job
+from tests.test_job import read_rows, spec_for, write_jsonl
+
+RECOMMENDED = {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.3, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def recommending(model_dir, tmp_path_factory) -> Path:
+    """The tiny llama with sampling values in its generation_config.json."""
+    folder = shutil.copytree(model_dir("llama"), tmp_path_factory.mktemp("gen") / "model")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **RECOMMENDED, "do_sample": True}))
+    return folder
+
+
+def engine(path: Path, **config: object) -> Engine:
+    return Engine(path, EngineConfig(device="cpu", num_kv_blocks=64, **config))
+
+
+def test_a_call_without_params_takes_the_models_recommended_sampling(recommending) -> None:
+    """None: the model's values over batchgen's defaults; a SamplingParams given is used as it
+    is (as vLLM's generate uses one); "ignore": batchgen's defaults."""
+    prompt = "Tell me about the weather."
+    taking = engine(recommending)
+    assert taking.generation_defaults == RECOMMENDED
+    (out,) = taking.generate([prompt])
+    (same,) = taking.generate([prompt], SamplingParams(**RECOMMENDED))
+    assert len(out.output_token_ids) <= 6 and out.output_token_ids == same.output_token_ids
+    (given,) = taking.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert len(given.output_token_ids) == 9
+    ignoring = engine(recommending, generation_config="ignore")
+    assert ignoring.generation_defaults == {}
+    (plain,) = ignoring.generate([prompt], None)
+    assert len(plain.output_token_ids) > 6 or plain.finish_reason == "stop"
+    (greedy,) = ignoring.generate([prompt], SamplingParams())
+    assert plain.output_token_ids == greedy.output_token_ids
+
+
+def test_a_job_takes_the_recommended_values_its_sampling_does_not_set(
+    recommending, tmp_path: Path, capfd
+) -> None:
+    """[sampling] temperature=0: greedy, with the model's max_new_tokens and penalty; the job
+    says which values it took, and records them: a run that would take others (the model's
+    file edited, or "ignore") is another job, refused on resume."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} says"} for i in range(3)])
+    out = tmp_path / "out"
+    sets = ("sampling.temperature=0", "runtime.quiet=false", "runtime.num_kv_blocks=64")
+    assert run_job(spec_for(recommending, inp, out, *sets)).complete
+    err = capfd.readouterr().err
+    assert (
+        "taking the model's generation_config.json values top_k=5, repetition_penalty=1.3, "
+        "max_new_tokens=6 where [sampling] sets none" in err
+    ), err
+    rows = read_rows(out)
+    want = SamplingParams(temperature=0, top_k=5, repetition_penalty=1.3, max_new_tokens=6)
+    check = engine(recommending)
+    for row in rows:
+        (alone,) = check.generate([f"Row {row['index']} says"], want)
+        assert row["text"] == alone.text and row["num_generated_tokens"] <= 6
+    manifest = json.loads((out / "job.json").read_text())
+    taken = {"top_k": 5, "repetition_penalty": 1.3, "max_new_tokens": 6}
+    assert manifest["identity"]["settings"]["model.generation_defaults"] == taken
+    ignoring = spec_for(recommending, inp, out, *sets, "runtime.generation_config='ignore'")
+    with pytest.raises(BatchgenError, match=r"setting model.generation_defaults was not recorded|"
+                       r"model.generation_defaults changed"):  # fmt: skip
+        run_job(ignoring)
+    assert run_job(ignoring, force_resume=True).complete
+
+
+def test_openai_batch_lines_take_the_models_values_before_openais(
+    recommending, tmp_path: Path
+) -> None:
+    """A line's body that sets no max_tokens gets the model's max_new_tokens, as vLLM's
+    run-batch gives it, where OpenAI's defaults would run to the context."""
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "ignore_eos": True}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "ignore_eos": True, "max_tokens": 9}},
+    ]  # fmt: skip
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out"
+    sets = ("input.format='openai-batch'", "output.format='jsonl'", "runtime.num_kv_blocks=64")
+    assert run_job(spec_for(recommending, inp, out, *sets)).complete
+    got = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    usage = {x["custom_id"]: x["response"]["body"]["usage"]["completion_tokens"] for x in got}
+    assert usage == {"a": 6, "b": 9}
+
+
+def test_a_recommended_value_no_request_could_take_is_one_line(model_dir, tmp_path) -> None:
+    folder = shutil.copytree(model_dir("llama"), tmp_path / "model")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "top_p": 0.0}))
+    with pytest.raises(BatchgenError, match=r"generation_config.json recommends top_p=0.0 must "):
+        engine(folder)
+    assert engine(folder, generation_config="ignore").generation_defaults == {}
