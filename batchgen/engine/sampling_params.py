@@ -98,13 +98,11 @@ MODEL_DEFAULT_FIELDS = (
 
 def generation_defaults(generation_config: Any, where: str) -> dict[str, Any]:
     """The sampling defaults a model's GenerationConfig recommends: its MODEL_DEFAULT_FIELDS
-    that are set (not None), as vLLM reads them (do_sample is not read: a temperature given
-    is a temperature used). ValueError naming `where` for a value no request could take."""
-    found = {
-        name: value
-        for name in MODEL_DEFAULT_FIELDS
-        if (value := getattr(generation_config, name, None)) is not None
-    }
+    that differ from GenerationConfig's own defaults (to_diff_dict, as vLLM reads them; those
+    defaults are None in transformers 5), and do_sample is not read: a temperature given is a
+    temperature used. ValueError naming `where` for a value no request could take."""
+    given = generation_config.to_diff_dict()
+    found = {name: value for name in MODEL_DEFAULT_FIELDS if (value := given.get(name)) is not None}
     try:
         SamplingParams(**found)
     except ValueError as exc:
