@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from batchgen.errors import BatchgenError, JobStopped, lead_reports
+from batchgen.errors import BatchgenError, JobStopped, exit_words, lead_reports
 from batchgen.row_share import RowShare
 
 if TYPE_CHECKING:  # torch is imported where it is used: reading the place needs none of it
@@ -334,15 +333,6 @@ def peer_exits(me: int) -> dict[int, int]:
             if name.isdigit() and int(name) != me:
                 found[int(name)] = int(Path(folder, name).read_text())
     return dict(sorted(found.items()))
-
-
-def exit_words(code: int) -> str:
-    """An exit status as words: "exited with status 4", "was killed by SIGKILL"."""
-    if code >= 0:
-        return f"exited with status {code}"
-    with contextlib.suppress(ValueError):
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"was killed by signal {-code}"
 
 
 def _same_world(place: Place, rank: int, world_size: int) -> None:

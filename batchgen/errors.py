@@ -20,6 +20,19 @@ def lead_reports(exc: BatchgenError) -> BatchgenError:
     return exc
 
 
+def exit_words(code: int) -> str:
+    """A process's exit status (Popen's: -N = killed by signal N) as words: "exited with
+    status 4", "was killed by SIGKILL"."""
+    import signal
+
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def check_field(ok: bool, name: str, value: object, allowed: str) -> None:
     """A config field's rule: ValueError "name=value is not allowed: use allowed" unless ok.
     (Config dataclasses call it in __post_init__; the spec loader adds the section.)"""

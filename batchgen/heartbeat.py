@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from batchgen.distributed import RANK_EXITS, Failure, Group, exit_words, peer_exits
+from batchgen.distributed import RANK_EXITS, Failure, Group, peer_exits
+from batchgen.errors import exit_words
 
 BEAT_S = 0.5  # how often a rank publishes its beat and reads the others'
 EXIT_NOTE_S = 5.0  # how long a rank that lost the store waits for the launcher's note of rank 0

@@ -146,8 +146,8 @@ class TokenizerPool:
         exc = started.exception()
         if exc is not None:  # a worker could not start: stay in threads
             self._warn(
-                f"tokenizer processes could not start ({type(exc).__name__}: {exc}): "
-                "tokenizing in threads of the engine's process"
+                f"tokenizer processes did not start ({type(exc).__name__}: {exc}): "
+                "tokenizing in threads of the job's process"
             )
             self._started = None
             return False
@@ -195,7 +195,7 @@ class TokenizerPool:
             if self._lost:
                 return
             self._lost = True
-        self._warn(f"{exc}: tokenizing in threads of the engine's process from here on")
+        self._warn(f"{exc}: tokenizing in threads of the job's process from here on")
 
     def decode(self, seqs: list[TextIds]) -> list[str]:
         """The output texts of (context, ids) pairs (detokenize.output_text). With
@@ -326,8 +326,13 @@ def _serve(requests: IO[bytes], answers: IO[bytes]) -> None:
             answer = (True, tasks[kind](*args))
         except Exception as exc:
             answer = (False, f"{type(exc).__name__}: {exc}")
-        pickle.dump(answer, answers, PICKLE)
-        answers.flush()
+        try:
+            pickle.dump(answer, answers, PICKLE)
+            answers.flush()
+        except OSError:  # the job's process is gone (killed): nobody waits for the answer
+            with contextlib.suppress(OSError):  # closed now: nothing is flushed at exit
+                answers.close()
+            return
 
 
 def main() -> None:

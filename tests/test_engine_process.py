@@ -190,11 +190,38 @@ def test_a_server_killed_mid_call_is_a_one_line_error(model: Path) -> None:
 
     with pytest.raises(BatchgenError) as failed:
         list(engine.generate(prompts(), params))
-    assert "killed by signal 9" in str(failed.value)
+    assert "was killed by SIGKILL (out of memory, or killed by hand)" in str(failed.value)
     assert "run the same command again" in str(failed.value)
-    with pytest.raises(BatchgenError, match="killed by signal 9"):  # and the next call too
+    with pytest.raises(BatchgenError, match="killed by SIGKILL"):  # and the next call too
         list(engine.generate([[1, 2]], params))
     engine.close()
+
+
+def test_an_engine_process_failure_brings_its_traceback_to_the_jobs_log(monkeypatch, capfd) -> None:
+    """A failure the user did not cause, in the engine's process: its traceback comes with
+    the error (the job's crash log holds it, as for an engine in the job's process), and
+    nothing goes to the terminal beside the job's one line."""
+    import traceback
+
+    from batchgen.engine.remote import server
+    from batchgen.engine.remote.client import EngineServer
+    from batchgen.engine.remote.protocol import receive
+
+    exits: list[int] = []
+    monkeypatch.setattr(server.os, "_exit", exits.append)
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as answers:
+        try:
+            raise RuntimeError("injected engine fault\nsecond line")
+        except RuntimeError as exc:
+            server._report(answers, exc)
+    with os.fdopen(read, "rb") as pipe:
+        message = receive(pipe)
+    assert exits == [1] and capfd.readouterr().err == ""
+    failed = EngineServer.failure(None, message)  # type: ignore[arg-type]
+    assert str(failed) == "the engine process failed: RuntimeError: injected engine fault"
+    logged = "".join(traceback.format_exception(failed))
+    assert "the engine process's traceback:" in logged and "in test_an_engine_process" in logged
 
 
 @pytest.fixture

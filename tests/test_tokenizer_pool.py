@@ -215,3 +215,20 @@ def test_a_killed_tokenizer_process_mid_prepare_costs_no_rows(model_dir) -> None
         pool.close()
     assert got == [prepare_rows(pool.builder, ROWS, "uid", False)] * 2
     assert len(warnings) == 1, warnings
+
+
+def test_a_worker_whose_job_is_gone_ends_without_a_traceback() -> None:
+    """The job's process killed while a worker answers (its pipe's reader gone): the worker
+    returns quietly, as the engine's server does, instead of printing a BrokenPipeError on
+    the job's terminal."""
+    import io
+    import pickle
+
+    from batchgen.tokenizer_pool import _serve
+
+    requests = io.BytesIO(pickle.dumps((None, None)) + pickle.dumps(("ping", ())))
+    read, write = os.pipe()
+    os.close(read)
+    answers = os.fdopen(write, "wb")
+    _serve(requests, answers)  # returns: no exception
+    assert answers.closed, "closed, so that nothing is left to flush at the worker's exit"

@@ -32,7 +32,7 @@ from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.errors import BatchgenError, first_line
+from batchgen.errors import BatchgenError, exit_words, first_line
 
 if TYPE_CHECKING:  # the command line starts a server before torch is imported
     from batchgen.engine.call_inputs import CallIds
@@ -124,22 +124,24 @@ class EngineServer:
     def failure(self, message: tuple) -> BaseException:
         """An "error" or end-of-pipe message as the exception to raise here."""
         if message[0] == "error":
-            _, kind, text = message
+            kind, text = message[1], message[2]
             if kind == "value":
                 return ValueError(text)
             if kind == "batchgen":
                 return BatchgenError(text)
-            return RuntimeError(f"the engine process failed: {text} (its traceback is above)")
+            failed = RuntimeError(f"the engine process failed: {text}")
+            failed.add_note(f"the engine process's traceback:\n{message[3]}")  # for the log
+            return failed
         if message[0] == "eof":
             self.inbox.put(message)  # every later call fails the same way
             if self.unreadable is not None:
                 return RuntimeError(self.unreadable)
             code = self._wait()
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            why = {-9: " (out of memory, or killed by hand)"}.get(code, "")
+            how = exit_words(code) + (why if code <= 0 else " (its messages above say why)")
             return BatchgenError(
                 f"the engine process (pid {self.process.pid}) {how} before it finished: the "
-                "committed rows are kept; see its messages above, then run the same command "
-                "again to resume"
+                "committed rows are kept; run the same command again to resume"
             )
         return RuntimeError(f"unexpected message from the engine process: {message[0]!r}")
 

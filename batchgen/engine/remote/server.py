@@ -314,16 +314,19 @@ def _stop_recorder(recorder: Any, failed: str | None) -> tuple[str, str]:
 
 
 def _report(answers: IO[bytes], exc: BaseException) -> None:
-    """Send an error; one the user did not cause also goes to stderr with its traceback, and
-    ends this process (the engine's state is unknown)."""
+    """Send an error; one the user did not cause goes with its traceback (the job's crash
+    log holds it; stderr only where it cannot be sent), and ends this process (the engine's
+    state is unknown)."""
     if isinstance(exc, BatchgenError | ValueError):
         kind = "batchgen" if isinstance(exc, BatchgenError) else "value"
         send(answers, ("error", kind, str(exc)))
         return
-    traceback.print_exception(exc, file=sys.stderr)
     line = str(exc).strip().splitlines()
-    with contextlib.suppress(OSError, ValueError):
-        send(answers, ("error", "internal", f"{type(exc).__name__}: {line[0] if line else ''}"))
+    text = f"{type(exc).__name__}: {line[0] if line else ''}"
+    try:
+        send(answers, ("error", "internal", text, "".join(traceback.format_exception(exc))))
+    except (OSError, ValueError):
+        traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
     os._exit(1)
 
