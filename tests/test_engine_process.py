@@ -292,7 +292,7 @@ def test_a_message_the_engine_process_cannot_read_is_a_one_line_error(model, onl
         why = "cannot read a message from the job's process (ModuleNotFoundError: No module "
         assert why in str(failed.value) and only_here.__name__ in str(failed.value)
         assert "\n" not in str(failed.value)
-        with pytest.raises(BatchgenError, match="exited with code 1"):  # and the next call too
+        with pytest.raises(BatchgenError, match="exited with status 1"):  # and the next call too
             _within(60, lambda: list(served.generate([[7, 8]], params)))
 
 
