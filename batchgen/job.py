@@ -32,12 +32,14 @@ from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.client import EngineProcess, EngineServer, RemoteRecorder
 from batchgen.engine.remote.placement import off_cores
 from batchgen.engine.request import NOT_READY, Prompt
+from batchgen.engine.sampling_params import with_defaults
 from batchgen.errors import BatchgenError
 from batchgen.formats import input_format
 from batchgen.formats.base import FinalFiles
 from batchgen.io import InputSource, OutputLayout, ShardWriter
 from batchgen.io.atomic import write_json_atomic
 from batchgen.io.checkpoint import (
+    GENERATION_DEFAULTS,
     IDENTITY_PARTS,
     Committed,
     DamagedManifest,
@@ -140,13 +142,19 @@ def model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> dict[str, A
     takes: those of the fields its own [sampling] does not set."""
     if spec.sampling_given is None:
         return {}
-    return {k: v for k, v in engine.generation_defaults.items() if k not in spec.sampling_given}
+    given = spec.sampling_given
+    return {k: v for k, v in sorted(engine.generation_defaults.items()) if k not in given}
 
 
 def with_model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> JobSpec:
     """The job as it runs: its [sampling] with the model's recommended values taken."""
     taken = model_defaults(spec, engine)
-    return dataclasses.replace(spec, sampling=spec.sampling.replace(**taken)) if taken else spec
+    if not taken:
+        return spec
+    try:
+        return dataclasses.replace(spec, sampling=with_defaults(spec.sampling, taken))
+    except ValueError as exc:
+        raise BatchgenError(str(exc)) from None
 
 
 def note_model_defaults(
@@ -157,8 +165,8 @@ def note_model_defaults(
     if taken:
         values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
         note(
-            f"taking the model's generation_config.json values {values} where [sampling] "
-            'sets none (runtime.generation_config = "ignore" keeps batchgen\'s defaults)'
+            f"taking the model's generation_config.json values {values} where the job does "
+            'not set them (runtime.generation_config = "ignore" keeps batchgen\'s defaults)'
         )
 
 
@@ -182,7 +190,7 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
         dtype = engine.dtype
         out["runtime.seed"] = engine.config.seed
         out["runtime.max_model_len"] = engine.max_model_len
-        out["model.generation_defaults"] = model_defaults(spec, engine)
+        out[GENERATION_DEFAULTS] = model_defaults(spec, engine)
     out["runtime.dtype"] = str(dtype).removeprefix("torch.")
     return out
 
@@ -298,7 +306,7 @@ def _with_engine(
         raise BatchgenError(f"[sampling] {exc}") from None
     current.update(settings=result_settings(spec, engine), model=engine.fingerprint)
     resuming, committed = take_directory(
-        spec, source, layout, previous, current, bool(force_resume), note, hooks.verify_rows
+        spec, source, layout, previous, current, force_resume, note, hooks.verify_rows
     )
     columns = job_columns(spec, source)
     if not spec.pipeline.quiet:
@@ -542,7 +550,7 @@ def take_directory(
     layout: OutputLayout,
     previous: Manifest | None,
     current: dict[str, Any],
-    force: bool,
+    force: bool | None,
     note: Callable[[str], None],
     verify: bool = True,
 ) -> tuple[bool, Committed]:

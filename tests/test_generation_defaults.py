@@ -62,8 +62,8 @@ def test_a_job_takes_the_recommended_values_its_sampling_does_not_set(
     assert run_job(spec_for(recommending, inp, out, *sets)).complete
     err = capfd.readouterr().err
     assert (
-        "taking the model's generation_config.json values top_k=5, repetition_penalty=1.3, "
-        "max_new_tokens=6 where [sampling] sets none" in err
+        "taking the model's generation_config.json values max_new_tokens=6, "
+        "repetition_penalty=1.3, top_k=5 where the job does not set them" in err
     ), err
     rows = read_rows(out)
     want = SamplingParams(temperature=0, top_k=5, repetition_penalty=1.3, max_new_tokens=6)
@@ -75,10 +75,55 @@ def test_a_job_takes_the_recommended_values_its_sampling_does_not_set(
     taken = {"top_k": 5, "repetition_penalty": 1.3, "max_new_tokens": 6}
     assert manifest["identity"]["settings"]["model.generation_defaults"] == taken
     ignoring = spec_for(recommending, inp, out, *sets, "runtime.generation_config='ignore'")
-    with pytest.raises(BatchgenError, match=r"setting model.generation_defaults was not recorded|"
-                       r"model.generation_defaults changed"):  # fmt: skip
+    with pytest.raises(BatchgenError, match=r"model.generation_defaults changed"):
         run_job(ignoring)
     assert run_job(ignoring, force_resume=True).complete
+
+
+def test_a_directory_that_took_none_names_the_setting_that_resumes_it_as_it_ran(
+    model_dir, recommending, tmp_path: Path
+) -> None:
+    """A job run with batchgen's defaults (before this was so, or under "ignore"), resumed on
+    a model that recommends values: refused, naming runtime.generation_config = "ignore",
+    which resumes it as it ran; a model that recommends none resumes such a directory."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i} says"} for i in range(2)])
+    out = tmp_path / "out"
+    sets = ("sampling.max_new_tokens=3", "runtime.num_kv_blocks=64")
+    ignoring = spec_for(recommending, inp, out, *sets, "runtime.generation_config='ignore'")
+    assert run_job(ignoring).complete
+    manifest = json.loads((out / "job.json").read_text())
+    del manifest["identity"]["settings"]["model.generation_defaults"]  # as written before
+    (out / "job.json").write_text(json.dumps(manifest))
+    with pytest.raises(BatchgenError) as refused:
+        run_job(spec_for(recommending, inp, out, *sets))
+    assert (
+        "the model's generation_config.json values {'repetition_penalty': 1.3, 'temperature': "
+        "0.7, 'top_k': 5} are taken now, and the earlier run took none (runtime.generation_config"
+        ' = "ignore" runs it as it ran)' in str(refused.value)
+    )
+    assert run_job(ignoring).complete
+    plain = spec_for(model_dir("llama"), inp, tmp_path / "plain", *sets)
+    assert run_job(plain).complete
+    manifest = json.loads((tmp_path / "plain" / "job.json").read_text())
+    del manifest["identity"]["settings"]["model.generation_defaults"]
+    (tmp_path / "plain" / "job.json").write_text(json.dumps(manifest))
+    assert run_job(plain).complete
+
+
+def test_sampling_keys_of_an_old_config_json_are_not_taken(model_dir, tmp_path) -> None:
+    """A folder without generation_config.json whose config.json carries an old checkpoint's
+    generation keys (temperature, top_k, do_sample false): none is taken (Hugging Face's
+    AutoConfig and vLLM read none of them): greedy, as Hugging Face generates."""
+    folder = shutil.copytree(model_dir("llama"), tmp_path / "model")
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    legacy = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "do_sample": False}
+    (folder / "config.json").write_text(json.dumps({**config, **legacy}))
+    loaded = engine(folder)
+    assert loaded.generation_defaults == {}
+    (out,) = loaded.generate(["Tell me"], None)
+    (greedy,) = loaded.generate(["Tell me"], SamplingParams())
+    assert out.output_token_ids == greedy.output_token_ids
 
 
 def test_openai_batch_lines_take_the_models_values_before_openais(
@@ -101,10 +146,36 @@ def test_openai_batch_lines_take_the_models_values_before_openais(
     assert usage == {"a": 6, "b": 9}
 
 
-def test_a_recommended_value_no_request_could_take_is_one_line(model_dir, tmp_path) -> None:
+def test_a_recommended_value_no_request_could_take_is_one_line_where_taken(
+    model_dir, tmp_path
+) -> None:
+    """top_p: 0 in the model's file: a call or a job that would take it is refused in one
+    line naming the file; one that sets top_p itself runs, as vLLM reads the file."""
     folder = shutil.copytree(model_dir("llama"), tmp_path / "model")
     path = folder / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "top_p": 0.0}))
+    loaded = engine(folder)
     with pytest.raises(BatchgenError, match=r"generation_config.json recommends top_p=0.0 must "):
-        engine(folder)
+        list(loaded.generate(["Hi"]))
+    assert len(list(loaded.generate(["Hi"], SamplingParams(max_new_tokens=2)))) == 1
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi"}])
+    sets = ("sampling.max_new_tokens=2", "runtime.num_kv_blocks=64")
+    with pytest.raises(BatchgenError, match=r"recommends top_p=0.0 must .*set the field, or"):
+        run_job(spec_for(folder, inp, tmp_path / "o1", *sets))
+    assert run_job(spec_for(folder, inp, tmp_path / "o2", *sets, "sampling.top_p=0.9")).complete
     assert engine(folder, generation_config="ignore").generation_defaults == {}
+
+
+def test_the_python_api_names_its_own_remedy(recommending, tmp_path: Path) -> None:
+    """A checkpoint_dir run under "ignore", then with the model's values: refused with the
+    API's remedy (another checkpoint_dir), not the command line's --force-resume."""
+    datasets = pytest.importorskip("datasets")
+    from batchgen import generate
+
+    ds = datasets.Dataset.from_dict({"prompt": ["Hi", "Yo"]})
+    options = {"checkpoint_dir": tmp_path / "ck", "progress": False}
+    ignoring = EngineConfig(device="cpu", num_kv_blocks=64, generation_config="ignore")
+    generate(ds, str(recommending), engine_config=ignoring, **options)
+    with pytest.raises(BatchgenError) as refused:
+        generate(ds, str(recommending), engine_config=EngineConfig(device="cpu"), **options)
+    assert "checkpoint_dir" in str(refused.value) and "--force-resume" not in str(refused.value)

@@ -8,7 +8,7 @@ from numbers import Integral
 from typing import Any
 
 from batchgen.engine.request import Prompt
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import SamplingParams, with_defaults
 from batchgen.errors import BatchgenError
 
 CallParams = SamplingParams | Sequence[SamplingParams] | None
@@ -30,14 +30,23 @@ def _is_id(item: object) -> bool:
     return isinstance(item, Integral)
 
 
-def with_params(
-    prompts: Iterable[Any], params: CallParams, default: SamplingParams
-) -> Iterator[tuple[Any, SamplingParams]]:
-    """Each prompt with its params: the call's one SamplingParams (None: the engine's
-    `default`), or a sequence of them paired one by one with a sized sequence of prompts of the
-    same length. BatchgenError for anything else."""
+def call_params(params: CallParams, defaults: dict[str, Any]) -> CallParams:
+    """A call's params: as given, or where it gives none the model's recommended values
+    (`defaults`) over batchgen's; BatchgenError for one no request could take."""
+    if params is not None or not defaults:
+        return params
+    try:
+        return with_defaults(SamplingParams(), defaults)
+    except ValueError as exc:
+        raise BatchgenError(str(exc)) from None
+
+
+def with_params(prompts: Iterable[Any], params: CallParams) -> Iterator[tuple[Any, SamplingParams]]:
+    """Each prompt with its params: the call's one SamplingParams (None: the defaults), or a
+    sequence of them paired one by one with a sized sequence of prompts of the same length.
+    BatchgenError for anything else."""
     if params is None or isinstance(params, SamplingParams):
-        one = default if params is None else params
+        one = params or SamplingParams()
         return ((prompt, one) for prompt in prompts)
     odd = _not_params(params)
     if odd is not None:
@@ -66,12 +75,11 @@ def check_one_call(generating: bool) -> None:
         )
 
 
-def one_params(params: CallParams, default: SamplingParams) -> SamplingParams:
-    """The call's one SamplingParams (None: the engine's `default`), for an engine served in
-    another process, which takes one per call (per-prompt settings ride on each Prompt's
-    sampling overrides)."""
+def one_params(params: CallParams) -> SamplingParams:
+    """The call's one SamplingParams, for an engine served in another process, which takes one
+    per call (per-prompt settings ride on each Prompt's sampling overrides)."""
     if params is None or isinstance(params, SamplingParams):
-        return default if params is None else params
+        return params or SamplingParams()
     raise BatchgenError(
         f"an engine in its own process takes one SamplingParams per generate call, not "
         f"{_kind(params)}: give per-prompt settings as Prompt(..., sampling={{...}})"

@@ -24,6 +24,7 @@ from batchgen.engine.call_inputs import (
     CallIds,
     CallParams,
     as_prompts,
+    call_params,
     check_one_call,
     with_params,
 )
@@ -133,7 +134,6 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         # the model's recommended sampling, for calls (and jobs) that set none of it
         self.generation_defaults = model_sampling_defaults(self.model, self.config)
-        self.default_params = SamplingParams(**self.generation_defaults)
         # what decides outputs besides the settings (checked when a job resumes)
         self._fingerprint = model_fingerprint(self.model, tokenizer, self.eos_token_ids, adopted)
         self.shape = model_shape(self.model)
@@ -241,7 +241,7 @@ class Engine:
         still running are dropped (their prompts yield nothing).
         """
         check_one_call(self._generating)
-        source = with_params(as_prompts(prompts), params, self.default_params)
+        source = with_params(as_prompts(prompts), call_params(params, self.generation_defaults))
         self._drop_stale_prefixes()
         if self.runner is not None:
             self.runner.watch_modes()  # a caller's model may be in train mode now

@@ -428,15 +428,16 @@ def _longrope_limits(config: Any) -> list[int]:
 
 
 def model_sampling_defaults(model: PreTrainedModel, config: EngineConfig) -> dict[str, Any]:
-    """What the model's generation config (generation_config.json, else derived from
-    config.json) recommends for sampling, under generation_config "auto"; {} under "ignore"."""
+    """What the model's generation_config.json recommends for sampling, under
+    generation_config "auto"; {} under "ignore", and where the folder has no such file (a
+    generation config derived from config.json: an old checkpoint's sampling keys there are
+    read by neither Hugging Face's AutoConfig nor vLLM)."""
     gen = getattr(model, "generation_config", None)
     if config.generation_config != "auto" or gen is None:
         return {}
-    try:
-        return generation_defaults(gen, "the model's generation_config.json")
-    except ValueError as exc:
-        raise BatchgenError(f"{exc} (runtime.generation_config)") from None
+    if getattr(gen, "_from_model_config", False):
+        return {}
+    return generation_defaults(gen)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

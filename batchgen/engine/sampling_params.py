@@ -96,20 +96,25 @@ MODEL_DEFAULT_FIELDS = (
 )
 
 
-def generation_defaults(generation_config: Any, where: str) -> dict[str, Any]:
+def generation_defaults(generation_config: Any) -> dict[str, Any]:
     """The sampling defaults a model's GenerationConfig recommends: its MODEL_DEFAULT_FIELDS
     that differ from GenerationConfig's own defaults (to_diff_dict, as vLLM reads them; those
-    defaults are None in transformers 5), and do_sample is not read: a temperature given is a
-    temperature used. ValueError naming `where` for a value no request could take."""
+    defaults are None in transformers 5), in that order; do_sample is not read: a temperature
+    given is a temperature used. Checked where taken (with_defaults)."""
     given = generation_config.to_diff_dict()
-    found = {name: value for name in MODEL_DEFAULT_FIELDS if (value := given.get(name)) is not None}
+    return {name: value for name in MODEL_DEFAULT_FIELDS if (value := given.get(name)) is not None}
+
+
+def with_defaults(params: SamplingParams, taken: dict[str, Any]) -> SamplingParams:
+    """params with the model's recommended values `taken`; ValueError naming the model's file
+    for a value no request could take (only where it is taken: a field set is never read)."""
     try:
-        SamplingParams(**found)
+        return params.replace(**taken)
     except ValueError as exc:
         raise ValueError(
-            f'{where} recommends {exc}: fix it, or set generation_config = "ignore"'
+            f"the model's generation_config.json recommends {exc}: fix it, set the field, or "
+            'set runtime.generation_config = "ignore"'
         ) from None
-    return found
 
 
 _fields_init = SamplingParams.__init__

@@ -33,7 +33,8 @@ MANIFEST_VERSION = 2
 IDENTITY_PARTS = ("settings", "input", "model")
 # settings an earlier batchgen did not record, with the value they then had: an identity
 # without one is the same job where the setting still has that value
-UNRECORDED_SETTINGS: dict[str, Any] = {"model.generation_defaults": {}}
+GENERATION_DEFAULTS = "model.generation_defaults"  # the model's sampling values a job takes
+UNRECORDED_SETTINGS: dict[str, Any] = {GENERATION_DEFAULTS: {}}
 Key = tuple[int, int]  # (input index, sample index)
 
 
@@ -55,7 +56,13 @@ def identity_changes(
         if part == "settings":
             for key in sorted(new or {}):
                 a, b = (old or {}).get(key), (new or {}).get(key)
-                if key not in (old or {}):  # an identity written before batchgen recorded it
+                if key == GENERATION_DEFAULTS and b and not a:
+                    out.append(
+                        f"the model's generation_config.json values {b} are taken now, and the "
+                        'earlier run took none (runtime.generation_config = "ignore" runs it '
+                        "as it ran)"
+                    )
+                elif key not in (old or {}):  # an identity written before batchgen recorded it
                     if key in UNRECORDED_SETTINGS and b == UNRECORDED_SETTINGS[key]:
                         continue
                     out.append(f"setting {key} was not recorded by the earlier run (now {b!r})")

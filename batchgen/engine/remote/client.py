@@ -307,7 +307,6 @@ class EngineProcess:
         self.config = dataclasses.replace(self.config, **resolved)
         self.fingerprint = facts["fingerprint"]
         self.generation_defaults: dict[str, Any] = facts["generation_defaults"]
-        self.default_params = SamplingParams(**self.generation_defaults)
         self.engine_startup_s = {"process": facts["process_s"], **facts["startup_s"]}
         self.startup_s = waited_phases(asked, time.monotonic(), facts["began_at"],
                                        facts["startup_s"])  # fmt: skip
@@ -325,12 +324,18 @@ class EngineProcess:
         while the server's window has room (a source may yield NOT_READY), results yielded as
         they come back. Once `stop` is set, the server finishes the step in flight and drops
         what still runs."""
-        from batchgen.engine.call_inputs import CallIds, as_prompts, check_one_call, one_params
+        from batchgen.engine.call_inputs import (
+            CallIds,
+            as_prompts,
+            call_params,
+            check_one_call,
+            one_params,
+        )
         from batchgen.engine.request import NOT_READY
 
         self._check_open()
         check_one_call(self._generating)
-        params = one_params(params, self.default_params)
+        params = one_params(call_params(params, self.generation_defaults))
         self._calls += 1
         call_id, self._taken, self._pending = self._calls, 0, {}
         recorder = self.recorder
