@@ -321,13 +321,27 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
     """Check JOB, its input, model path and output directory without loading the model or
     writing anything; print the resolved spec."""
     from batchgen.formats import input_format
-    from batchgen.job import check_job, check_model_before_load, check_output_dir_before_lock
+    from batchgen.job import (
+        check_job,
+        check_model_before_load,
+        check_output_dir_before_lock,
+        file_model_defaults,
+    )
 
     spec = _load(job, sets, shortcuts)
     source = check_job(spec)
     check_model_before_load(spec)
     check_output_dir_before_lock(spec, source, force_resume)
     click.echo(json.dumps(spec.to_dict(), indent=2))
+    taken = file_model_defaults(spec)
+    if taken:  # the spec above is the job's; the run takes these too
+        values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+        click.echo(
+            f"batchgen: the run takes the model's generation_config.json values {values} where "
+            'the job does not set them (runtime.generation_config = "ignore" keeps batchgen\'s '
+            "defaults)",
+            err=True,
+        )
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
 

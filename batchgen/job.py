@@ -24,6 +24,7 @@ from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
 from batchgen.engine.model_path import (
     check_max_model_len,
+    file_generation_defaults,
     model_context,
     model_vocab,
     resolve_model_path,
@@ -144,6 +145,15 @@ def model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> dict[str, A
         return {}
     given = spec.sampling_given
     return {k: v for k, v in sorted(engine.generation_defaults.items()) if k not in given}
+
+
+def file_model_defaults(spec: JobSpec) -> dict[str, Any]:
+    """model_defaults as far as the model's folder says before it loads (`validate`)."""
+    if spec.sampling_given is None or spec.engine.generation_config != "auto":
+        return {}
+    given = spec.sampling_given
+    found = file_generation_defaults(spec.model.path)
+    return {k: v for k, v in found.items() if k not in given}
 
 
 def with_model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> JobSpec:
@@ -309,8 +319,7 @@ def _with_engine(
         spec, source, layout, previous, current, force_resume, note, hooks.verify_rows
     )
     columns = job_columns(spec, source)
-    if not spec.pipeline.quiet:
-        note_model_defaults(spec, engine, note)
+    note_model_defaults(spec, engine, note)  # quiet or not: how the rows are sampled
     if hooks.on_start is not None:
         hooks.on_start(layout, committed)
     kept = engine.server.cpus if isinstance(engine, EngineProcess) else frozenset()

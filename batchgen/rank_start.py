@@ -125,6 +125,6 @@ def start_rank(
     publish_first_beat(group)  # every rank's beat exists once the step below is passed
     plan = group.agree_on_root(prepare)
     source = dataclasses.replace(source, num_rows=plan.num_rows)  # the same on every rank
-    if group.rank == 0 and not spec.pipeline.quiet:
+    if group.rank == 0:  # quiet or not: how the rows are sampled
         note_model_defaults(mine, engine, note)
     return Started(with_model_defaults(mine, engine), source, engine, plan, startup)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
+from batchgen.engine.sampling_params import ALIASES, SamplingParams, resolve_aliases
 from batchgen.errors import BatchgenError, check_field
 from batchgen.formats.openai_batch.requests import OPENAI_DEFAULTS
 from batchgen.io import InputConfig, OutputConfig
@@ -194,6 +194,7 @@ def load_spec(
         except OSError as exc:
             raise BatchgenError(f"cannot read job file '{path}' ({exc.strerror})") from exc
         _resolve_paths(table, file.parent)
+    from_file = {k: dict(v) for k, v in table.items() if isinstance(v, dict)}
     set_keys = []
     for item in overrides:
         set_keys.append(apply_override(table, item))
@@ -205,7 +206,36 @@ def load_spec(
             )
         section, _, name = key.partition(".")
         _section(table, section)[name] = value
+        set_keys.append(key)
+    _drop_replaced_spellings(table, from_file, set_keys)
+    _local_paths(table)
     return spec_from_table(table)
+
+
+def _drop_replaced_spellings(
+    table: dict[str, Any], from_file: dict[str, dict[str, Any]], set_keys: list[str]
+) -> None:
+    """An option or --set of a sampling field replaces the job file's value of it under its
+    other name too (vLLM's max_tokens for max_new_tokens, and back): the option wins, as it
+    does over the same name."""
+    sampling, filed = table.get("sampling"), from_file.get("sampling", {})
+    if not isinstance(sampling, dict):
+        return
+    for alias, name in ALIASES.items():
+        for given, other in ((alias, name), (name, alias)):
+            replaced = f"sampling.{given}" in set_keys and f"sampling.{other}" not in set_keys
+            if replaced and other in filed and sampling.get(other) is filed[other]:
+                del sampling[other]
+
+
+def _local_paths(table: dict[str, Any]) -> None:
+    """input.path, model.path and output.dir written with ~ or file://, from an option or
+    --set as from a job file: the local path they name (as_path's rule)."""
+    for section, key in (("output", "dir"), ("input", "path"), ("model", "path")):
+        values = table.get(section)
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, str) and (value.startswith("~") or value[:7].lower() == "file://"):
+            values[key] = str(local_path(value))
 
 
 def _section(table: dict[str, Any], section: str) -> dict[str, Any]:

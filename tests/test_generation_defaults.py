@@ -179,3 +179,27 @@ def test_the_python_api_names_its_own_remedy(recommending, tmp_path: Path) -> No
     with pytest.raises(BatchgenError) as refused:
         generate(ds, str(recommending), engine_config=EngineConfig(device="cpu"), **options)
     assert "checkpoint_dir" in str(refused.value) and "--force-resume" not in str(refused.value)
+
+
+def test_validate_names_the_values_the_run_will_take(recommending, tmp_path: Path) -> None:
+    """The printed spec is the job's; validate says which of the model's values the run takes
+    beside it (none where the job sets them all, or under "ignore"), and the run says so
+    quiet or not."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi"}])
+    base = ["validate", "--model", str(recommending), "--input", str(inp)]
+    base += ["--output", str(tmp_path / "out"), "--temperature", "0"]
+    result = CliRunner().invoke(main, base)
+    assert result.exit_code == 0, result.output
+    assert (
+        "batchgen: the run takes the model's generation_config.json values max_new_tokens=6, "
+        "repetition_penalty=1.3, top_k=5 where the job does not set them" in result.output
+    )
+    ignoring = CliRunner().invoke(main, [*base, "--set", "runtime.generation_config='ignore'"])
+    assert ignoring.exit_code == 0 and "generation_config.json values" not in ignoring.output
+    ran = CliRunner().invoke(main, ["run", *base[1:], "--quiet", "--set", "runtime.device='cpu'"])
+    assert ran.exit_code == 0, ran.output
+    assert "batchgen: taking the model's generation_config.json values" in ran.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,34 @@ def test_a_value_of_the_wrong_type_names_the_types_in_toml_words() -> None:
     assert str(excinfo.value) == (
         "sampling.json_schema = []: expected a string or a table or nothing"
     )
+
+
+def test_an_option_replaces_the_job_files_value_under_its_other_name(tmp_path) -> None:
+    """[sampling] max_tokens = 10 in the job file (vLLM's name), --max-new-tokens 5 or --set
+    sampling.max_new_tokens=7 on the command line: the option wins, as over the same name; two
+    options of one setting stay an error."""
+    job = tmp_path / "job.toml"
+    job.write_text('[input]\npath = "x.jsonl"\n[output]\ndir = "o"\n[sampling]\nmax_tokens = 10\n')
+    assert load_spec(job).sampling.max_new_tokens == 10
+    assert load_spec(job, values={"sampling.max_new_tokens": 5}).sampling.max_new_tokens == 5
+    assert load_spec(job, ["sampling.max_new_tokens=7"]).sampling.max_new_tokens == 7
+    job.write_text(
+        '[input]\npath = "x.jsonl"\n[output]\ndir = "o"\n[sampling]\nmin_new_tokens = 2\n'
+    )
+    assert load_spec(job, ["sampling.min_tokens=3"]).sampling.min_new_tokens == 3
+    with pytest.raises(BatchgenError, match="max_tokens and max_new_tokens are the same"):
+        load_spec(job, ["sampling.max_tokens=4"], values={"sampling.max_new_tokens": 5})
+
+
+def test_file_urls_from_options_name_the_local_path(tmp_path) -> None:
+    """input.path, model.path and output.dir given as file:// (or ~) on the command line name
+    the local path, as they do in a job file."""
+    spec = load_spec(
+        None,
+        [f"input.path=file://{tmp_path}/in.jsonl", "output.dir=file:///tmp/out"],
+        values={"model.path": f"file://{tmp_path}/model"},
+    )
+    assert spec.input.path == f"{tmp_path}/in.jsonl" and spec.output.dir == "/tmp/out"
+    assert spec.model.path == f"{tmp_path}/model"
+    home = load_spec(None, ["input.path=~/in.jsonl", "output.dir=o"]).input.path
+    assert home == str(Path("~/in.jsonl").expanduser())

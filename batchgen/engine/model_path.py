@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from batchgen.errors import BatchgenError
 
@@ -125,3 +126,21 @@ def prompt_over_context(prompt_tokens: int, max_model_len: int) -> str | None:
         f"prompt has {prompt_tokens} tokens but the model's context is {max_model_len} "
         "(max_model_len): shorten the prompt"
     )
+
+
+def file_generation_defaults(model: str) -> dict[str, Any]:
+    """The sampling values a local model folder's generation_config.json recommends, read
+    without loading it (what the engine takes under runtime.generation_config "auto"; the
+    embedded default has none); {} where there is no such file or it cannot be read."""
+    from batchgen.engine.sampling_params import MODEL_DEFAULT_FIELDS
+
+    path = Path(model).expanduser() / "generation_config.json"
+    if model == DEFAULT_MODEL or not path.is_file():
+        return {}
+    try:
+        given = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(given, dict):
+        return {}
+    return {k: given[k] for k in sorted(MODEL_DEFAULT_FIELDS) if given.get(k) is not None}
