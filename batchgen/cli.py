@@ -501,13 +501,14 @@ def bench(
 
     command = "batchgen bench " + " ".join(sys.argv[2:])
     sets = (*BENCH_SETTINGS, *sets)  # a --set may say otherwise
+    out = _results_file(Path(results))  # before the run: its table is never lost to the path
     if job_rows is not None:
         try:
             text = run_job_bench(shape, workload, job_rows, new_tokens, engine_config(list(sets)))
         except BatchgenError as exc:
             _fail(exc)
-        record(f"job path, {shape}", text, Path(results), command)
         click.echo(text)
+        record(f"job path, {shape}", text, out, command)
         return
     try:
         chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
@@ -529,5 +530,21 @@ def bench(
     except BatchgenError as exc:
         _fail(exc)
     text = table(report)
-    record(f"{report['shape']} {report['workload']}", text, Path(results), command)
     click.echo(text)
+    record(f"{report['shape']} {report['workload']}", text, out, command)
+
+
+def _results_file(path: Any) -> Any:
+    """The bench's --results file, checked before the run (nothing made yet): a file that can
+    be written, or one whose folder can be made; one line where not."""
+    target = path.absolute()
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if existing == target:
+        ok = target.is_file() and os.access(target, os.W_OK)
+    else:
+        ok = existing.is_dir() and os.access(existing, os.W_OK)
+    if not ok:
+        _fail(BatchgenError(f"--results {str(path)!r} cannot be written: give another file"))
+    return path

@@ -113,6 +113,32 @@ def test_prefix_caching_given_twice_is_one_line_error() -> None:
     assert "give one" in out.output and len(out.output.strip().splitlines()) == 1
 
 
+def test_the_results_file_is_checked_before_the_run_and_its_folder_made_after(
+    monkeypatch, tmp_path
+) -> None:
+    """Run outside the repository (no benchmarks/ folder): the table is printed and recorded,
+    the folder made; a --results that cannot be written is refused before the run, which
+    never starts."""
+    import batchgen.bench.run as bench_run
+
+    ran: list[str] = []
+    monkeypatch.setattr(bench_run, "run_job_bench", lambda *a: ran.append("job") or "| table |")
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(main, ["bench", "--job", "8"])
+    assert out.exit_code == 0, out.output
+    assert (
+        "| table |" in out.output
+        and "| table |" in (tmp_path / "benchmarks" / "RESULTS.md").read_text()
+    )
+    (tmp_path / "afile").write_text("x")
+    refused = CliRunner().invoke(main, ["bench", "--job", "8", "--results", "afile/r.md"])
+    assert refused.exit_code == 2 and ran == ["job"], refused.output
+    assert (
+        refused.output.strip()
+        == "batchgen: error: --results 'afile/r.md' cannot be written: give another file"
+    )
+
+
 def test_fp8_lines_compare_kv_capacity_in_tokens() -> None:
     """Blocks may differ in size between precisions (64 tokens for an FP8 cache on Hopper):
     the capacity compares in tokens."""

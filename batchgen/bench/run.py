@@ -281,5 +281,6 @@ def record(title: str, text: str, path: Path, command: str) -> None:
         f"\n## {stamp} — {title} on {gpu}\n\n"
         f"`{command}` (torch {torch.__version__}, python {platform.python_version()})\n\n"
     )
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(header + text + "\n")
