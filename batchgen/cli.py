@@ -123,7 +123,11 @@ def _spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> Any:
+def _load(
+    job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any], flags: tuple[str, ...] = ()
+) -> Any:
+    """The spec from the job file, --set items, shortcut options and on/off flags (`flags`:
+    "quiet", "profile": runtime.<flag> = true), each named as given where two say one key."""
     from batchgen.spec import check_distinct_overrides, load_spec
 
     check_distinct_overrides(list(sets))
@@ -131,6 +135,8 @@ def _load(job: str | None, sets: tuple[str, ...], shortcuts: dict[str, Any]) -> 
         key: shortcuts[name] for name, key in SHORTCUTS.items() if shortcuts.get(name) is not None
     }
     options = {key: "--" + name.replace("_", "-") for name, key in SHORTCUTS.items()}
+    for flag in flags:
+        values[f"runtime.{flag}"], options[f"runtime.{flag}"] = True, f"--{flag}"
     return load_spec(job, list(sets), values, options)
 
 
@@ -187,13 +193,11 @@ def run(
         # store it cannot reach, each with a stack) would bury the line that says which rank
         # stopped and why; =WARNING shows them
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", RANK_CPP_LOG_LEVEL)
-    flags = (("runtime.quiet=true",) if quiet else ()) + (
-        ("runtime.profile=true",) if profile else ()
-    )
+    flags = (("quiet",) if quiet else ()) + (("profile",) if profile else ())
     server = _start_engine_server(place)  # before the spec: its imports start at once
     try:
         try:
-            spec = _load(job, sets + flags, shortcuts)
+            spec = _load(job, sets, shortcuts, flags)
         except BatchgenError as exc:  # every rank reads the same spec: rank 0 says what is wrong
             raise exc if lead else lead_reports(exc) from None
         server = _early_engine_server(spec, place, server)

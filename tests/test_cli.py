@@ -367,3 +367,14 @@ def test_the_stop_line_offers_a_second_ctrl_c_only_after_a_ctrl_c(capsys) -> Non
         "batchgen: stopping after the step in flight",
         "batchgen: stopping after the step in flight (Ctrl-C again to abort)",
     ]
+
+
+def test_a_flag_and_a_set_of_its_key_name_what_was_typed(tmp_path: Path, prompts: Path) -> None:
+    """--quiet with --set runtime.quiet=false: refused naming --quiet, not a --set never typed."""
+    base = ["run", "--input", str(prompts), "--output", str(tmp_path / "o")]
+    for flag, key in (("--quiet", "runtime.quiet"), ("--profile", "runtime.profile")):
+        code, output = invoke(*base, flag, "--set", f"{key}=false")
+        assert code == 2, output
+        assert output.strip() == (
+            f"batchgen: error: {key} is given twice (--set {key}=... and {flag}): give it once"
+        )
