@@ -41,8 +41,9 @@ def check_field(ok: bool, name: str, value: object, allowed: str) -> None:
 
 
 class JobStopped(BatchgenError):
-    """Another rank of a data-parallel job stopped (or was lost), so this one stopped too: the
-    message names it; the committed rows are kept and the same command resumes (exit 1)."""
+    """A process the job runs with stopped (or was lost): another rank of a data-parallel
+    job, or the job's engine process, so the job stopped too: the message names it; the
+    committed rows are kept and the same command resumes (exit 1)."""
 
 
 def first_line(exc: BaseException) -> str:

@@ -517,6 +517,37 @@ def test_sigkill_and_sigterm_with_the_engine_in_its_own_process(model: Path, tmp
     assert {k: r["text"] for k, r in got.items()} == {k: r["text"] for k, r in expected.items()}
 
 
+def test_an_engine_process_killed_mid_job_stops_the_job_with_exit_1(model: Path, tmp_path) -> None:
+    """SIGKILL of the job's engine process (the kernel's, when memory runs out): one line
+    naming it and its signal, exit 1 (rows not committed, as a lost rank gives), and the same
+    command finishes the job exactly once."""
+    from tests.test_data_parallel import children_of
+    from tests.test_kill import make_job, results, start, wait_for_shards
+
+    cmd = make_job(model, tmp_path, "out", ("--set", "runtime.engine_process='process'"))
+    out = tmp_path / "out"
+    proc = start(cmd)
+    wait_for_shards(proc, out, 2, timeout=900)
+    assert proc.poll() is None, "the job must be mid-run when its engine is killed"
+    (engine,) = children_of(proc.pid)
+    os.kill(engine, signal.SIGKILL)
+    stderr = proc.communicate(timeout=120)[1]
+    stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    assert proc.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"batchgen: error: the engine process (pid {engine}) was killed by ")
+    assert last.endswith(
+        "SIGKILL (out of memory, or killed by hand) before it finished: the committed rows are "
+        "kept; run the same command again to resume"
+    ), last
+    final = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    assert final.returncode == 0, final.stderr
+    reference = subprocess.run(make_job(model, tmp_path, "ref"), capture_output=True, text=True)
+    assert reference.returncode == 0, reference.stderr
+    expected, got = results(tmp_path / "ref"), results(out)
+    assert {k: r["text"] for k, r in got.items()} == {k: r["text"] for k, r in expected.items()}
+
+
 def test_the_cores_a_job_keeps_for_its_engine() -> None:
     sixteen = set(range(16))
     assert kept_cores(None, sixteen) == {14, 15}

@@ -32,7 +32,7 @@ from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.prefix_cache import CacheStats
 from batchgen.engine.remote.protocol import pack_prompt, receive, send
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.errors import BatchgenError, exit_words, first_line
+from batchgen.errors import BatchgenError, JobStopped, exit_words, first_line
 
 if TYPE_CHECKING:  # the command line starts a server before torch is imported
     from batchgen.engine.call_inputs import CallIds
@@ -139,7 +139,7 @@ class EngineServer:
             code = self._wait()
             why = {-9: " (out of memory, or killed by hand)"}.get(code, "")
             how = exit_words(code) + (why if code <= 0 else " (its messages above say why)")
-            return BatchgenError(
+            return JobStopped(
                 f"the engine process (pid {self.process.pid}) {how} before it finished: the "
                 "committed rows are kept; run the same command again to resume"
             )
