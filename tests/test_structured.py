@@ -176,6 +176,15 @@ def _reference_logprobs(path: Path, out, allowed: torch.Tensor | None) -> torch.
     return logits.log_softmax(-1)
 
 
+def test_a_schema_that_admits_no_value_is_named_on_its_row(engines) -> None:
+    """A self-referring $ref compiles, but its grammar allows only the end of the output: the
+    row's error says the schema admits no value, not that an empty output is bad JSON."""
+    loop = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}
+    prompts = [Prompt("Row", "r", {"json_schema": loop, "max_new_tokens": 8})]
+    (out,) = engines[True].generate(prompts, SamplingParams())
+    assert out.finish_reason == "error" and "its json_schema admits no value" in out.error, out
+
+
 def test_structured_logprobs_are_under_the_grammar_mask(model_dir, engines) -> None:
     """As vLLM's: a structured row's logprobs are the raw logits' log_softmax over the tokens
     its grammar allows at that step (no temperature or filter), a forbidden token is never an

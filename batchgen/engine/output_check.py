@@ -37,6 +37,11 @@ def output_problem(check: OutputCheck, text: str) -> str | None:
     not checked again (spec_problem), never does: it is an error row, not a cut-off output
     under finish_reason `stop`."""
     spec = check.spec
+    if check.complete and text == "" and spec.kind in ("json_schema", "json_object"):
+        return (  # the grammar allowed only the end from the start: no JSON value matches it
+            f"its {spec.kind} admits no value (the grammar allowed no output, e.g. a $ref that "
+            "only refers to itself): fix the schema"
+        )
     if check.complete:
         return spec_problem(spec, text)
     early = f"a stop string or stop token ended it before its {spec.kind} was complete"
