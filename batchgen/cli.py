@@ -330,6 +330,7 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
         check_model_before_load,
         check_output_dir_before_lock,
         file_model_defaults,
+        model_defaults_line,
     )
 
     spec = _load(job, sets, shortcuts)
@@ -339,13 +340,7 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
     click.echo(json.dumps(spec.to_dict(), indent=2))
     taken = file_model_defaults(spec)
     if taken:  # the spec above is the job's; the run takes these too
-        values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
-        click.echo(
-            f"batchgen: the run takes the model's generation_config.json values {values} where "
-            'the job does not set them (runtime.generation_config = "ignore" keeps batchgen\'s '
-            "defaults)",
-            err=True,
-        )
+        click.echo(f"batchgen: {model_defaults_line(taken, 'the run takes')}", err=True)
     click.echo(f"ok: {input_format(spec.input.format).report(spec, source)}", err=True)
 
 

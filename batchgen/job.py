@@ -141,19 +141,30 @@ def job_columns(spec: JobSpec, source: InputSource) -> Columns:
 def model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> dict[str, Any]:
     """The model's recommended sampling values (runtime.generation_config) that the job
     takes: those of the fields its own [sampling] does not set."""
-    if spec.sampling_given is None:
-        return {}
-    given = spec.sampling_given
-    return {k: v for k, v in sorted(engine.generation_defaults.items()) if k not in given}
+    return _not_given(spec, engine.generation_defaults)
 
 
 def file_model_defaults(spec: JobSpec) -> dict[str, Any]:
     """model_defaults as far as the model's folder says before it loads (`validate`)."""
-    if spec.sampling_given is None or spec.engine.generation_config != "auto":
+    if spec.engine.generation_config != "auto":
         return {}
-    given = spec.sampling_given
-    found = file_generation_defaults(spec.model.path)
-    return {k: v for k, v in found.items() if k not in given}
+    return _not_given(spec, file_generation_defaults(spec.model.path))
+
+
+def _not_given(spec: JobSpec, recommended: dict[str, Any]) -> dict[str, Any]:
+    """The recommended values of the fields the job does not set, by name."""
+    if spec.sampling_given is None:
+        return {}
+    return {k: v for k, v in sorted(recommended.items()) if k not in spec.sampling_given}
+
+
+def model_defaults_line(taken: dict[str, Any], lead: str) -> str:
+    """The one line that names the model's values a job takes (`lead`: who takes them)."""
+    values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+    return (
+        f"{lead} the model's generation_config.json values {values} where the job does not "
+        'set them (runtime.generation_config = "ignore" keeps batchgen\'s defaults)'
+    )
 
 
 def with_model_defaults(spec: JobSpec, engine: Engine | EngineProcess) -> JobSpec:
@@ -173,11 +184,7 @@ def note_model_defaults(
     """One line naming the model's recommended values the job takes, as vLLM warns."""
     taken = model_defaults(spec, engine)
     if taken:
-        values = ", ".join(f"{k}={v!r}" for k, v in taken.items())
-        note(
-            f"taking the model's generation_config.json values {values} where the job does "
-            'not set them (runtime.generation_config = "ignore" keeps batchgen\'s defaults)'
-        )
+        note(model_defaults_line(taken, "taking"))
 
 
 def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:

@@ -194,7 +194,8 @@ def load_spec(
         except OSError as exc:
             raise BatchgenError(f"cannot read job file '{path}' ({exc.strerror})") from exc
         _resolve_paths(table, file.parent)
-    from_file = {k: dict(v) for k, v in table.items() if isinstance(v, dict)}
+    filed = table.get("sampling")
+    filed_sampling = set(filed) if isinstance(filed, dict) else set()  # the job file's keys
     set_keys = []
     for item in overrides:
         set_keys.append(apply_override(table, item))
@@ -207,25 +208,23 @@ def load_spec(
         section, _, name = key.partition(".")
         _section(table, section)[name] = value
         set_keys.append(key)
-    _drop_replaced_spellings(table, from_file, set_keys)
+    _drop_replaced_spellings(table, filed_sampling, set_keys)
     _local_paths(table)
     return spec_from_table(table)
 
 
-def _drop_replaced_spellings(
-    table: dict[str, Any], from_file: dict[str, dict[str, Any]], set_keys: list[str]
-) -> None:
+def _drop_replaced_spellings(table: dict[str, Any], filed: set[str], set_keys: list[str]) -> None:
     """An option or --set of a sampling field replaces the job file's value of it under its
     other name too (vLLM's max_tokens for max_new_tokens, and back): the option wins, as it
-    does over the same name."""
-    sampling, filed = table.get("sampling"), from_file.get("sampling", {})
+    does over the same name. filed: the job file's [sampling] keys."""
+    sampling = table.get("sampling")
     if not isinstance(sampling, dict):
         return
     for alias, name in ALIASES.items():
         for given, other in ((alias, name), (name, alias)):
             replaced = f"sampling.{given}" in set_keys and f"sampling.{other}" not in set_keys
-            if replaced and other in filed and sampling.get(other) is filed[other]:
-                del sampling[other]
+            if replaced and other in filed:
+                sampling.pop(other, None)
 
 
 def _local_paths(table: dict[str, Any]) -> None:
@@ -234,8 +233,13 @@ def _local_paths(table: dict[str, Any]) -> None:
     for section, key in (("output", "dir"), ("input", "path"), ("model", "path")):
         values = table.get(section)
         value = values.get(key) if isinstance(values, dict) else None
-        if isinstance(value, str) and (value.startswith("~") or value[:7].lower() == "file://"):
+        if isinstance(value, str) and _written_local(value):
             values[key] = str(local_path(value))
+
+
+def _written_local(value: str) -> bool:
+    """Whether a path is written in a local form local_path turns into another: ~ or file://."""
+    return value.startswith("~") or value[:7].lower() == "file://"
 
 
 def _section(table: dict[str, Any], section: str) -> dict[str, Any]:
@@ -269,7 +273,7 @@ def _resolve_paths(table: dict[str, Any], base: Path) -> None:
         value = values.get(key) if isinstance(values, dict) else None
         if not isinstance(value, str) or not value or scheme_of(value):
             continue  # an object-store URL is absolute
-        if value.startswith("~") or value[:7].lower() == "file://":
+        if _written_local(value):
             values[key] = value = str(local_path(value))
         joined = base / value
         if Path(value).is_absolute():

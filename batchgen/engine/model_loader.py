@@ -433,18 +433,22 @@ def model_sampling_defaults(model: PreTrainedModel, config: EngineConfig) -> dic
     generation config derived from config.json: an old checkpoint's sampling keys there are
     read by neither Hugging Face's AutoConfig nor vLLM)."""
     gen = getattr(model, "generation_config", None)
-    if config.generation_config != "auto" or gen is None:
-        return {}
-    if getattr(gen, "_from_model_config", False):
+    if config.generation_config != "auto" or gen is None or _derived(gen):
         return {}
     return generation_defaults(gen)
+
+
+def _derived(gen: Any) -> bool:
+    """Whether a model's generation config was derived from its config.json (the folder has
+    no generation_config.json)."""
+    return bool(getattr(gen, "_from_model_config", False))
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None and (gen is None or getattr(gen, "_from_model_config", False)):
+    if eos is None and (gen is None or _derived(gen)):
         # config.json's ids only where no generation_config.json was read: one that names no
         # end-of-sequence id stops on the tokenizer's alone (as Hugging Face and vLLM do)
         eos = model.config.get_text_config().eos_token_id

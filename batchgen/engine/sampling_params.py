@@ -137,7 +137,7 @@ SamplingParams.__init__ = _init  # type: ignore[method-assign]
 def _plain(value: Any) -> Any:
     """A number of another type (NumPy's int64, float32) as Python's int or float; anything
     else as it is."""
-    if type(value) in (int, float, bool) or isinstance(value, bool):
+    if isinstance(value, bool) or type(value) in (int, float):
         return value
     if isinstance(value, numbers.Integral):
         return int(value)

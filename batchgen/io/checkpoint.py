@@ -31,9 +31,9 @@ from batchgen.io.output_schema import COUNT_COLUMNS, INPUT_HASH, KEY_COLUMNS, Ro
 
 MANIFEST_VERSION = 2
 IDENTITY_PARTS = ("settings", "input", "model")
+GENERATION_DEFAULTS = "model.generation_defaults"  # the model's sampling values a job takes
 # settings an earlier batchgen did not record, with the value they then had: an identity
 # without one is the same job where the setting still has that value
-GENERATION_DEFAULTS = "model.generation_defaults"  # the model's sampling values a job takes
 UNRECORDED_SETTINGS: dict[str, Any] = {GENERATION_DEFAULTS: {}}
 Key = tuple[int, int]  # (input index, sample index)
 
