@@ -63,6 +63,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_key_value_heads": 4,
     },
     "stablelm": {"partial_rotary_factor": 0.5},
+    "gemma3n_text": {  # one MLP width per layer
+        **TWO_KINDS, "intermediate_size": [128, 96], "activation_sparsity_pattern": [0.0, 0.0],
+        "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
+    },
     "mpt": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512, "expansion_ratio": 2},
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "head_dim": DROP},
     "gpt_neo": {"num_layers": 2, "num_heads": 4, "attention_types": [[["global", "local"], 1]]},

@@ -143,6 +143,22 @@ def test_a_forward_that_fails_midway_is_refused_for_failing(family_dir) -> None:
     assert "its forward pass fails (RuntimeError: expert routing broke)" in message, message
 
 
+def test_a_forward_that_fails_before_any_attention_is_refused_for_failing(family_dir) -> None:
+    """A model whose own forward pass fails before its first attention call (DBRX with its
+    config's default clip_qkv=None) is refused for failing, not for attention it never reached."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama")).eval()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("clamp needs min or max")
+
+    model.model.layers[0].input_layernorm.forward = broken
+    with pytest.raises(BatchgenError) as caught:
+        Engine(model, engine_config())
+    message = str(caught.value)
+    assert "\n" not in message and "cannot run llama models exactly" in message
+    assert "its own forward pass fails (RuntimeError: clamp needs min or max)" in message, message
+
+
 def test_a_model_whose_own_pass_fails_on_the_probe_is_refused(family_dir, monkeypatch) -> None:
     """The probe's reference (the model's own eager attention) failing where batchgen's steps
     ran (an MLA config whose own attention cannot broadcast its heads, for one) is one line."""

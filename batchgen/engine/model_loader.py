@@ -53,12 +53,17 @@ def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> in
     stream, its normed copy, q/k/v and the attention output (4 x hidden, with room for grouped
     heads), and the MLP's gate/up pair and product (3 x its widest intermediate; experts count
     as many as route each token). Families name these fields differently: a missing one is
-    taken as 4 x hidden."""
+    taken as 4 x hidden, and one given per layer (Gemma-3n) counts its widest."""
     config = model.config.get_text_config()
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    dense = int(getattr(config, "intermediate_size", 0) or 0)
-    experts = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    expert = int(getattr(config, "moe_intermediate_size", 0) or 0) or dense
+
+    def width(name: str) -> int:
+        value = getattr(config, name, 0) or 0
+        return max(map(int, value), default=0) if isinstance(value, (list, tuple)) else int(value)
+
+    hidden = width("hidden_size")
+    dense = width("intermediate_size")
+    experts = width("num_experts_per_tok")
+    expert = width("moe_intermediate_size") or dense
     intermediate = max(dense, experts * expert) or 4 * hidden
     return (4 * hidden + 3 * intermediate) * torch.tensor([], dtype=dtype).element_size()
 
@@ -372,13 +377,22 @@ def _attention_calls(
 
     AttentionInterface.register(SHAPE_PROBE, record)
     device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     failure = None
     try:
         with attention_scope(model, SHAPE_PROBE):
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+            model(input_ids=ids, use_cache=False)
     except Exception as exc:
         failure = exc
         if not seen:
+            with attention_scope(model, "eager"):
+                try:  # failing before any attention call: the model's own pass fails too?
+                    model(input_ids=ids, use_cache=False)
+                except Exception as own:
+                    raise BatchgenError(
+                        f"batchgen cannot run {family} models exactly: its own forward pass "
+                        f"fails ({first_line(own)})"
+                    ) from own
             raise BatchgenError(
                 f"batchgen cannot run {family} models exactly: their layers do not hand "
                 f"attention to transformers' attention interface ({type(exc).__name__})"
