@@ -212,7 +212,7 @@ def _end_on_rank0(
         done, started, len(after.indexes), after.counts, plan.resuming, beat.world, complete,
         files, phases,
     )  # fmt: skip
-    write_json_atomic(layout.summary, summary.to_dict())
+    write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
     outcome = Outcome(summary, beat.stopped_by)
     beat.publish_outcome(outcome)
     return outcome

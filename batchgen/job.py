@@ -388,7 +388,7 @@ def _run(
         # the job's own engine process: its phases, whole (startup_s has what was waited for)
         engine_startup_s=engine.engine_startup_s if "engine_process" in startup else {},
     )
-    write_json_atomic(layout.summary, summary.to_dict())
+    write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
     interrupted = stop.is_set() and not complete
     return JobResult(summary, interrupted, profile_file=None if profile is None else str(profile))
 

@@ -27,9 +27,10 @@ def process_age_s() -> float | None:
 @dataclass(frozen=True)
 class JobSummary:
     """A job after one of its runs. rows_ok, rows_error, prompt_tokens, generated_tokens and
-    rows_committed_total are the job's: every committed output row, whichever run wrote it
-    (as one uninterrupted run would count them); the run_* counts, the prefix cache's, wall_s,
-    the rates and the start-up phases are this run's."""
+    rows_committed_total are the job's: every committed row, whichever run wrote it (as one
+    uninterrupted run would count them); rows_ok and rows_error count output rows (n per input
+    row that ran), rows_committed_total input rows. The run_* counts, the prefix cache's,
+    wall_s, the rates and the start-up phases are this run's."""
 
     rows_ok: int
     rows_error: int

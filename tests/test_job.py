@@ -320,6 +320,24 @@ def test_summary_prompt_tokens_count_only_the_prompts_the_engine_ran(
     assert too_long["error"] is not None and too_long["num_prompt_tokens"] > 48
     assert summary.rows_ok == 2 and summary.rows_error == 2
     assert summary.prompt_tokens == 2 * ok["num_prompt_tokens"]  # each sample its prompt
+    assert summary.rows_committed_total == 3  # input rows; rows_ok / rows_error output rows
+
+
+def test_summary_names_the_result_file_wherever_the_job_was_started(
+    model_dir, tmp_path: Path, monkeypatch
+) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "row"}])
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    spec = spec_for(model_dir("llama"), inp, Path("../out"), "sampling.max_new_tokens=2")
+    summary = run_job(spec).summary
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    written = on_disk["result_file"]
+    assert written == summary.result_file == str(tmp_path / "cwd" / "../out/results.parquet")
+    assert Path(written).is_absolute() and Path(written).is_file()
+    # the start-up phases in the order they ran (they add up in that order), as printed
+    assert list(on_disk["startup_s"]) == list(summary.startup_s)
+    assert list(summary.startup_s)[:2] == ["checks", "load"]
 
 
 def test_a_stop_after_every_row_is_done_leaves_the_job_complete(model_dir, tmp_path: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from batchgen.io import InputSource, OutputLayout
+from batchgen.io.fs import AnyPath
 from batchgen.prompts import RowPrompt
 
 if TYPE_CHECKING:
@@ -13,10 +15,18 @@ if TYPE_CHECKING:
 
 
 class FinalFiles(NamedTuple):
-    """The files a completed job's results are in."""
+    """The files a completed job's results are in: an object-store URL, or an absolute path
+    (summary.json names it the same from whichever folder the job was started)."""
 
     result_file: str
     error_file: str | None = None  # where the format writes error lines apart
+
+    @classmethod
+    def at(cls, result: AnyPath, errors: AnyPath | None = None) -> FinalFiles:
+        def name(path: AnyPath) -> str:
+            return str(path.absolute()) if isinstance(path, Path) else str(path)
+
+        return cls(name(result), None if errors is None else name(errors))
 
 
 class RowBuilder(Protocol):

@@ -98,7 +98,7 @@ class RowsFormat:
     def write_results(self, spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalFiles:
         result = layout.results(spec.output.format)
         write_final(layout, spec.output.format, result)
-        return FinalFiles(str(result))
+        return FinalFiles.at(result)
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         rows = "unknown" if source.num_rows is None else f"{source.num_rows:,}"

@@ -39,8 +39,9 @@ def write_atomic(path: AnyPath, write: Writer) -> Any:
     return result
 
 
-def write_json_atomic(path: AnyPath, data: Any) -> None:
-    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=True, allow_nan=False)
+def write_json_atomic(path: AnyPath, data: Any, sort_keys: bool = True) -> None:
+    """sort_keys=False keeps the dicts' own order (where it means something)."""
+    text = json.dumps(data, indent=2, sort_keys=sort_keys, ensure_ascii=True, allow_nan=False)
     write_atomic(path, lambda f: f.write(text.encode("ascii") + b"\n"))
 
 

@@ -68,7 +68,7 @@ class OpenAIBatchFormat:
         results, errors = layout.openai_results, layout.openai_errors
         name, tokens = spec.model.names[0], TokenBytes(tokenizer)
         write_openai_results(layout, spec.output.format, name, results, errors, tokens)
-        return FinalFiles(str(results), str(errors))
+        return FinalFiles.at(results, errors)
 
     def report(self, spec: JobSpec, source: InputSource) -> str:
         """How many lines cannot run, by error code, with the first message of each: each
