@@ -222,8 +222,10 @@ def run(
     if not lead:
         sys.exit(_exit_code(result, received))
     if result.profile_file is not None:
+        each = " (rank 0's; each rank writes its own)" if result.summary.world_size > 1 else ""
         click.echo(
-            f"batchgen: step records in {result.profile_file}: batchgen report {spec.output.dir}",
+            f"batchgen: step records in {result.profile_file}{each}: "
+            f"batchgen report {spec.output.dir}",
             err=True,
         )
     if not result.interrupted and not result.complete:
@@ -302,10 +304,12 @@ def _run(spec: Any, place: Any, force_resume: bool, stop: threading.Event, serve
 
     from batchgen.data_parallel import run_ranks
     from batchgen.distributed import joined
+    from batchgen.summary import process_age_s
 
     cuda = spec.engine.device != "cpu" and torch.cuda.is_available()
     with joined(place, spec.pipeline.rank_timeout_s, cuda) as group:
-        return run_ranks(spec, group, force_resume=force_resume, stop=stop)
+        process_s = process_age_s()  # meeting the other ranks included
+        return run_ranks(spec, group, force_resume=force_resume, stop=stop, process_s=process_s)
 
 
 def _exit_code(result: Any, received: list[int]) -> int:

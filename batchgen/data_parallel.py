@@ -59,8 +59,10 @@ def run_ranks(
     force_resume: bool = False,
     stop: threading.Event | None = None,
     note: Callable[[str], None] | None = None,
+    process_s: float | None = None,
 ) -> JobResult:
-    """Run (or resume) this rank's share of a job; every rank returns the job's summary."""
+    """Run (or resume) this rank's share of a job; every rank returns the job's summary.
+    process_s: the "process" start-up phase (from the command line)."""
     stop = stop or threading.Event()
     note = note or _to_stderr
     layout = OutputLayout(spec.output.dir)
@@ -70,7 +72,7 @@ def run_ranks(
 
         hf_logging.disable_progress_bar()  # one progress bar: rank 0's
     try:
-        return _run(spec, group, layout, lock, stop, note, force_resume)
+        return _run(spec, group, layout, lock, stop, note, force_resume, process_s)
     finally:
         if lock is not None:
             lock.release()
@@ -84,8 +86,9 @@ def _run(
     stop: threading.Event,
     note: Callable[[str], None],
     force: bool,
+    process_s: float | None,
 ) -> JobResult:
-    ready = start_rank(spec, group, layout, lock, note, force)
+    ready = start_rank(spec, group, layout, lock, note, force, process_s)
     engine, latest = ready.engine, [Stats()]
     before = engine.cache_stats
 
@@ -114,10 +117,10 @@ def _generate(
     if not quiet:
         beat.on_beat = _progress(bar, started)
     beat.start()
-    failure, error, read_all, rows_read = None, None, False, 0
+    failure, error, read_all, rows_read, profile = None, None, False, 0, None
     try:
         check = lock.check if lock is not None else RankLock(layout, plan.run).check
-        stats, producer, _profile = run_pipeline(
+        stats, producer, profile = run_pipeline(
             spec,
             source,
             ready.engine,
@@ -129,6 +132,7 @@ def _generate(
             lambda s: latest.__setitem__(0, s),  # the writer's counts, for the heartbeat
             check,
             group.place.share,
+            plan.name,
         )
         latest[0] = stats
         read_all, rows_read = producer.finished, producer.rows_read
@@ -165,9 +169,11 @@ def _generate(
             f"rank {why.rank} stopped with an internal error ({why.failure.message[:200]}); "
             "its log holds the traceback"
         )
+    profile_file = None if profile is None else str(profile)
     if why is not None and why.rank != group.rank:
-        return JobResult(summary, interrupted=False, stopped_by=why.why)
-    return JobResult(summary, interrupted=stop.is_set() and not summary.complete)
+        return JobResult(summary, interrupted=False, stopped_by=why.why, profile_file=profile_file)
+    interrupted = stop.is_set() and not summary.complete
+    return JobResult(summary, interrupted, profile_file=profile_file)
 
 
 def _own_summary(plan: Plan, beat: Heartbeat, started: float) -> JobSummary:

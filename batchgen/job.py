@@ -706,10 +706,12 @@ def run_pipeline(
     on_row: Any,
     before_commit: Callable[[], None],
     share: RowShare = ALONE,
+    run_name: str | None = None,
 ) -> tuple[Stats, Producer, Path | None]:
     """Generate this process's share of the rows not in `done` into committed shards
     -> (counts, the producer, the step records' file when the job profiles).
-    before_commit: raises when no shard may be written (the directory's lock is lost)."""
+    before_commit: raises when no shard may be written (the directory's lock is lost).
+    run_name: the name the ranks of a data-parallel run share in their files' names."""
     builder, id_column = _prompt_stage(spec, engine)
     tokenizers = TokenizerPool(
         builder,
@@ -740,6 +742,7 @@ def run_pipeline(
         out.shard_seconds,
         before_commit=before_commit,
         rank=None if share.world_size == 1 else share.rank,
+        run=run_name,
     )
     consumer = Consumer(
         writer,

@@ -31,6 +31,7 @@ from batchgen.io.checkpoint import (
     Manifest,
     identity_changes,
 )
+from batchgen.io.layout import new_run_name
 from batchgen.io.object_lock import OutputLock
 from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
@@ -53,6 +54,7 @@ class Plan(NamedTuple):
     done: set[int]  # input rows in committed shards
     resuming: bool
     run: str  # the run named in the lock file (RankLock)
+    name: str  # the run's name in every rank's files (layout.new_run_name)
     num_rows: int | None  # the input's row count rank 0 saw: every rank shares rows by it
     counts: RowCounts  # the committed rows' counts before this run
 
@@ -74,8 +76,10 @@ def start_rank(
     lock: OutputLock | None,
     note: Callable[[str], None],
     force: bool,
+    process_s: float | None = None,
 ) -> Started:
-    """The three steps; lock: rank 0's (None on the other ranks)."""
+    """The three steps; lock: rank 0's (None on the other ranks); process_s: the "process"
+    start-up phase (from the command line)."""
     started = time.perf_counter()
 
     def checks() -> tuple[JobSpec, InputSource, Manifest | None]:
@@ -92,7 +96,8 @@ def start_rank(
         return mine, source, previous
 
     mine, source, previous = group.agree(checks)
-    startup = {"checks": round(time.perf_counter() - started, 3)}
+    startup = {} if process_s is None else {"process": process_s}
+    startup["checks"] = round(time.perf_counter() - started, 3)
     loaded: list[Engine] = []
 
     def load() -> dict[str, Any]:
@@ -120,7 +125,8 @@ def start_rank(
                 )
         current = identities[0]  # no rank writes before this step is passed
         resuming, committed = take_directory(spec, source, layout, previous, current, force, note)
-        return Plan(committed.indexes, resuming, lock.run, source.num_rows, committed.counts)
+        name = new_run_name()
+        return Plan(committed.indexes, resuming, lock.run, name, source.num_rows, committed.counts)
 
     publish_first_beat(group)  # every rank's beat exists once the step below is passed
     plan = group.agree_on_root(prepare)

@@ -334,6 +334,36 @@ def test_ranks_whose_launcher_is_killed_stop_and_the_job_resumes(job, tmp_path, 
     assert len(results(out)) == ROWS
 
 
+def test_a_profiled_run_on_two_ranks_reports_as_one_run(job, tmp_path, started):
+    """`--gpus 2 --profile`: each rank records its own steps under the run's one name; the
+    run says where, its start-up phases begin with "process" as alone, and `report` shows
+    rank 0's steps, naming rank 1's as the same run's."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [*command(job, out), "--gpus", "2", "--profile"], env=env(), capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(results(out)) == ROWS
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["startup_s"])[:2] == ["process", "checks"]
+    steps = sorted((out / "profile").glob("steps-*.parquet"), key=lambda p: "-r1-" in p.name)
+    assert [("-r0-" in p.name, "-r1-" in p.name) for p in steps] == [(True, False), (False, True)]
+    assert (
+        f"batchgen: step records in {steps[0]} (rank 0's; each rank writes its own)" in done.stderr
+    )
+    report = subprocess.run(
+        [sys.executable, "-m", "batchgen", "report", str(out)], capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    rank_1 = steps[1].name.removeprefix("steps-").removesuffix(".parquet")
+    assert report.stdout.startswith(f"run {steps[0].name.removeprefix('steps-')[:-8]} on cpu")
+    assert f"this is rank 0 of a data-parallel run; its other ranks' records: {rank_1}" in (
+        report.stdout
+    )
+    assert "other run(s)" not in report.stdout
+
+
 def _wait_in_thread(procs: list[subprocess.Popen]) -> threading.Thread:
     from batchgen.launch import _wait_all
 

@@ -57,3 +57,35 @@ def test_runs_named_in_local_time_are_ordered_by_their_records(tmp_path: Path) -
         os.utime(path, (time.time() - age, time.time() - age))
     newer = _profiled_run(layout)
     assert layout.profile_runs() == [*names, newer]
+
+
+def test_the_ranks_of_a_data_parallel_run_are_one_run_and_rank_0_is_reported(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each rank writes its own records, named with the run's shared name: they are listed
+    together in rank order (not by pid), and `report` takes rank 0's of the newest run and
+    names the other ranks apart from other runs."""
+    from batchgen.io.layout import new_run_name, run_of
+    from batchgen.profile.report import _others, find_run
+
+    layout = OutputLayout(tmp_path)
+    older = _profiled_run(layout)
+    alone = older.replace(f"-{os.getpid()}-", "-")  # a run alone: its name is its token's
+    name = new_run_name()
+    tokens = {}
+    for rank, pid in ((1, 100), (0, 999), (2, 5)):  # pids sort unlike ranks
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        tokens[rank] = ShardWriter(layout, "jsonl", BASE, 10, 3600, rank=rank, run=name).token
+        layout.profile_steps(tokens[rank]).write_bytes(b"")
+    assert {run_of(t) for t in tokens.values()} == {(name, 0), (name, 1), (name, 2)}
+    assert run_of(older) == (alone, None)
+    assert layout.profile_runs() == [older, tokens[0], tokens[1], tokens[2]]
+    assert find_run(tmp_path, None) == layout.profile_steps(tokens[0])
+    lines = _others(layout.profile_runs(), tokens[0])
+    assert (
+        f"this is rank 0 of a data-parallel run; its other ranks' records: {tokens[1]}" in lines[0]
+    )
+    assert lines[1] == "1 other run(s) recorded here: choose one with --run"
+    assert _others(layout.profile_runs(), older) == [
+        "1 other run(s) recorded here: choose one with --run"
+    ]

@@ -8,8 +8,8 @@
 <dir>/results.<ext>       every committed row in input order (when the job completes; removed
                           when a later run starts, written again when it completes the job)
 <dir>/errors.jsonl        OpenAI Batch error lines (openai-batch input only)
-<dir>/profile/steps-<run>.parquet     per-step records of a run with --profile (never read
-                          by resuming: outside shards/)
+<dir>/profile/steps-<run>.parquet     per-step records of a run with --profile, one per rank
+                          (never read by resuming: outside shards/)
 <dir>/profile/timeline-<run>.png, trace-<run>.json    `batchgen report`'s picture and trace
 .tmp-*                    a file being written atomically (never read; removed on resume)
 
@@ -36,10 +36,31 @@ RUN_STAMP = "%Y%m%dT%H%M%S"  # a run token's start; in UTC with a "Z" after it (
 _UTC_STAMP = re.compile(r"^(\d{8}T\d{6})Z-")
 
 
-def new_run_token(where: str) -> str:
-    """A writer's run token: unique, its start in UTC first ("20261130T120000Z-4242-a1b2c3"),
-    so that a run's name orders it whatever time zone it ran in."""
-    return f"{time.strftime(RUN_STAMP, time.gmtime(time.time()))}Z-{where}-{secrets.token_hex(3)}"
+_TOKEN = re.compile(r"^([^-]+)-\d+(?:-r(\d+))?-([0-9a-f]+)$")
+
+
+def new_run_name() -> str:
+    """A run's name: its start in UTC, then a random tag ("20261130T120000Z-a1b2c3")."""
+    return f"{time.strftime(RUN_STAMP, time.gmtime(time.time()))}Z-{secrets.token_hex(3)}"
+
+
+def new_run_token(where: str, run: str | None = None) -> str:
+    """A writer's run token: the run's name (new_run_name; the ranks of a data-parallel run
+    share rank 0's) around where it writes from ("20261130T120000Z-4242-r3-a1b2c3"): unique,
+    its start in UTC first, so that it orders its run whatever time zone it ran in."""
+    stamp, tag = (run or new_run_name()).split("-")
+    return f"{stamp}-{where}-{tag}"
+
+
+def run_of(token: str) -> tuple[str, int | None]:
+    """A writer's token -> (the name of its run, which the ranks of a data-parallel run share;
+    its rank, None for a job run alone)."""
+    match = _TOKEN.match(token)
+    if match is None:
+        return token, None
+    return f"{match.group(1)}-{match.group(3)}", None if match.group(2) is None else int(
+        match.group(2)
+    )
 
 
 def run_started(run_token: str) -> float | None:
@@ -94,15 +115,18 @@ class OutputLayout:
     def profile_runs(self) -> list[str]:
         """Run tokens with profile records, oldest first: by the start their token names in
         UTC, or (a token in local time) by when the records were last written; a directory's
-        runs never overlap (its lock), so either orders them."""
+        runs never overlap (its lock), so either orders them. The ranks of a data-parallel run
+        (one file each) follow each other in rank order."""
         runs = {
             p.name.removeprefix(PROFILE_PREFIX).removesuffix(".parquet"): p
             for p in self.profile.glob(f"{PROFILE_PREFIX}*.parquet")
         }
 
-        def started(run: str) -> tuple[float, str]:
-            at = run_started(run)
-            return (getattr(runs[run].stat(), "st_mtime", 0.0) if at is None else at, run)
+        def started(token: str) -> tuple[float, str, int, str]:
+            at = run_started(token)
+            name, rank = run_of(token)
+            when = getattr(runs[token].stat(), "st_mtime", 0.0) if at is None else at
+            return (when, name, -1 if rank is None else rank, token)
 
         return sorted(runs, key=started)
 

@@ -80,6 +80,7 @@ class ShardWriter:
         shard_seconds: float,
         before_commit: Callable[[], None] | None = None,
         rank: int | None = None,
+        run: str | None = None,
     ) -> None:
         check_field(format in OUTPUT_FORMATS, "format", format, " or ".join(OUTPUT_FORMATS))
         self.layout = layout
@@ -92,9 +93,9 @@ class ShardWriter:
         self.shard_seconds = shard_seconds
         # unique per writer (layout.new_run_token); a rank of a data-parallel job adds its
         # rank ("...-4242-r3-..."): pids of processes on different nodes may be equal, ranks of
-        # one run are not
+        # one run are not. run: the run's name the ranks share (rank 0's), None: a new one
         where = f"{os.getpid()}" if rank is None else f"{os.getpid()}-r{rank}"
-        self.token = new_run_token(where)
+        self.token = new_run_token(where, run)
         self._seq = 0
         self._rows: list[Row] = []
         self.rows_committed = 0  # rows in the shards this writer committed

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from batchgen.errors import BatchgenError
 from batchgen.io.atomic import write_atomic
-from batchgen.io.layout import OutputLayout
+from batchgen.io.layout import OutputLayout, run_of
 from batchgen.profile.attribution import Attribution, Gap, attribute
 from batchgen.profile.records import (
     ADMISSION_BLOCKED,
@@ -44,7 +44,8 @@ class Report(NamedTuple):
 
 
 def find_run(out_dir: Path, run: str | None) -> Path:
-    """The records file of `run` (default: the newest) in an output directory."""
+    """The records file of `run` (default: the newest run's; of a data-parallel run, its
+    lowest rank's) in an output directory."""
     layout = OutputLayout(out_dir)
     if not layout.dir.is_dir():
         what = "is not a folder" if layout.dir.exists() else "does not exist"
@@ -56,7 +57,10 @@ def find_run(out_dir: Path, run: str | None) -> Path:
         raise BatchgenError(
             f"no profile records of run {run!r} in {out_dir}: runs are {', '.join(runs)}"
         )
-    return layout.profile_steps(run or runs[-1])
+    if run is None:
+        newest = run_of(runs[-1])[0]
+        run = next(token for token in runs if run_of(token)[0] == newest)
+    return layout.profile_steps(run)
 
 
 def write_report(out_dir: Path, out: Path | None = None, run: str | None = None, top: int = 10):
@@ -78,12 +82,29 @@ def write_report(out_dir: Path, out: Path | None = None, run: str | None = None,
             f"cannot write the report into '{folder}' ({exc.strerror or type(exc).__name__}): "
             "give a writable folder with --out"
         ) from exc
-    others = len(OutputLayout(Path(out_dir)).profile_runs()) - 1
     lines = [*render(records, result, info, top), f"timeline: {timeline}"]
     lines.append(f"trace: {trace} (open it in Perfetto or chrome://tracing)")
+    lines.extend(_others(OutputLayout(Path(out_dir)).profile_runs(), info.run))
+    return Report("\n".join(lines), info, result, timeline, trace)
+
+
+def _others(runs: list[str], shown: str) -> list[str]:
+    """Where the directory holds other records than the ones shown: the other ranks of a
+    data-parallel run (one file each), and other runs."""
+    name, rank = run_of(shown)
+    ranks = [t for t in runs if t != shown and run_of(t)[0] == name]
+    others = len({run_of(t)[0] for t in runs} - {name})
+    lines = []
+    if ranks:
+        listed = ", ".join(f"{t} (rank {run_of(t)[1]})" for t in ranks[:4])
+        more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+        lines.append(
+            f"this is rank {rank} of a data-parallel run; its other ranks' records: {listed}"
+            f"{more}: choose one with --run"
+        )
     if others:
         lines.append(f"{others} other run(s) recorded here: choose one with --run")
-    return Report("\n".join(lines), info, result, timeline, trace)
+    return lines
 
 
 def render(
