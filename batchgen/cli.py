@@ -438,16 +438,18 @@ class _stop_on_signals:
     show_default=True,
     help="Comma-separated: overlap, sync, hf-static, hf-batch.",
 )
-@click.option("--requests", type=int, help="Run fewer requests than the workload has.")
+@click.option(
+    "--requests", type=click.IntRange(min=1), help="Run fewer requests than the workload has."
+)
 @click.option(
     "--job",
     "job_rows",
-    type=int,
+    type=click.IntRange(min=1),
     metavar="ROWS",
     help="Instead: the full job path (text Parquet -> shards) against the engine alone on the "
     "same ROWS text prompts (workload's prompt lengths and output tokens; --new-tokens).",
 )
-@click.option("--new-tokens", type=int, help="With --job: output tokens per row.")
+@click.option("--new-tokens", type=click.IntRange(min=1), help="With --job: output tokens per row.")
 @click.option(
     "--prefix-caching",
     type=click.Choice(["on", "off", "both"]),
@@ -489,8 +491,6 @@ def bench(
     results: str,
 ) -> None:
     """Time batchgen against Hugging Face on a random-weight model (needs a GPU)."""
-    from pathlib import Path
-
     from batchgen.bench.run import (
         BENCH_SETTINGS,
         PRECISIONS,
@@ -504,7 +504,8 @@ def bench(
 
     command = "batchgen bench " + " ".join(sys.argv[2:])
     sets = (*BENCH_SETTINGS, *sets)  # a --set may say otherwise
-    out = _results_file(Path(results))  # before the run: its table is never lost to the path
+    _bench_options_apply(job_rows is not None)
+    out = _results_file(results)  # before the run: its table is never lost to the path
     if job_rows is not None:
         try:
             text = run_job_bench(shape, workload, job_rows, new_tokens, engine_config(list(sets)))
@@ -516,8 +517,9 @@ def bench(
     try:
         chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
         unknown = [s for s in chosen if s not in SYSTEMS]
-        if unknown:
-            raise BatchgenError(f"unknown system {unknown[0]!r}: use {', '.join(SYSTEMS)}")
+        if unknown or not chosen:
+            what = f"unknown system {unknown[0]!r}" if unknown else f"no system in {systems!r}"
+            raise BatchgenError(f"{what}: use {', '.join(SYSTEMS)}")
         if prefix_caching and any("enable_prefix_caching" in s for s in sets):
             raise BatchgenError(
                 "--prefix-caching and --set runtime.enable_prefix_caching: give one"
@@ -537,9 +539,30 @@ def bench(
     record(f"{report['shape']} {report['workload']}", text, out, command)
 
 
-def _results_file(path: Any) -> Any:
+def _bench_options_apply(job: bool) -> None:
+    """Options given on the command line that the chosen bench does not use: one line (the
+    job-path bench times one system, in bf16, on its own rows; the others, no --new-tokens)."""
+    context = click.get_current_context()
+    given = [
+        name for name in context.params
+        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    ]  # fmt: skip
+    loops_only = ("systems", "precisions", "prefix_caching", "requests")
+    unused = (
+        [n for n in given if n in loops_only] if job else [n for n in given if n == "new_tokens"]
+    )
+    if unused:
+        option = "--" + unused[0].replace("_", "-")
+        where = "does not apply to --job" if job else "goes with --job"
+        _fail(BatchgenError(f"{option} {where}: leave it out (see batchgen bench --help)"))
+
+
+def _results_file(given: str) -> Any:
     """The bench's --results file, checked before the run (nothing made yet): a file that can
     be written, or one whose folder can be made; one line where not."""
+    path = Path(given)
+    if not given:
+        _fail(BatchgenError("--results is empty: give the Markdown file to append the table to"))
     target = path.absolute()
     existing = target
     while not existing.exists():
@@ -549,5 +572,5 @@ def _results_file(path: Any) -> Any:
     else:
         ok = existing.is_dir() and os.access(existing, os.W_OK)
     if not ok:
-        _fail(BatchgenError(f"--results {str(path)!r} cannot be written: give another file"))
+        _fail(BatchgenError(f"--results {given!r} cannot be written: give another file"))
     return path

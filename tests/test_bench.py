@@ -221,3 +221,37 @@ def test_job_path_rows_split_steps_into_decode_graphs_token_graphs_and_eager() -
     row = _result("engine alone (token ids)", 1.0, 10.0, 900, report)
     assert (row.graphed_steps, row.token_graph_steps, row.eager_steps) == (30, 9, 3)
     assert "| 30 / 9 / 3 |" in table("1b", 10, 90, [row], 32000)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--new-tokens", "5"], "--new-tokens goes with --job"),
+        (["--job", "8", "--systems", "sync"], "--systems does not apply to --job"),
+        (["--job", "8", "--precisions", "fp8"], "--precisions does not apply to --job"),
+        (["--job", "8", "--prefix-caching", "on"], "--prefix-caching does not apply to --job"),
+        (["--job", "8", "--requests", "3"], "--requests does not apply to --job"),
+        (["--systems", ","], "no system in ','"),
+        (["--results", ""], "--results is empty"),
+    ],
+)
+def test_bench_options_it_would_not_use_are_refused_before_the_run(
+    monkeypatch, args: list[str], line: str
+) -> None:
+    """An option the chosen bench ignores, no system at all, or an empty --results: one line,
+    and nothing runs."""
+    import batchgen.bench.run as bench_run
+
+    ran: list[str] = []
+    monkeypatch.setattr(bench_run, "run_job_bench", lambda *a: ran.append("job") or "| t |")
+    monkeypatch.setattr(bench_run, "run_bench", lambda *a: ran.append("loops") or {})
+    out = CliRunner().invoke(main, ["bench", *args])
+    assert out.exit_code == 2 and not ran, out.output
+    assert len(out.output.strip().splitlines()) == 1 and line in out.output, out.output
+
+
+@pytest.mark.parametrize("option", ["--requests", "--job", "--new-tokens"])
+def test_bench_counts_below_one_are_refused(option: str) -> None:
+    args = ["bench", option, "0"] + (["--job", "8"] if option == "--new-tokens" else [])
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2 and "x>=1" in out.output, out.output
