@@ -25,10 +25,7 @@ from batchgen.formats.base import FinalFiles
 from batchgen.heartbeat import Heartbeat, Progress, RankEnd, Stop, total
 from batchgen.io import OutputLayout
 from batchgen.io.atomic import write_json_atomic
-from batchgen.io.checkpoint import (
-    RankLock,
-    scan_committed,
-)
+from batchgen.io.checkpoint import RankLock, scan_committed, writing_into
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
@@ -218,7 +215,8 @@ def _end_on_rank0(
         done, started, len(after.indexes), after.counts, plan.resuming, beat.world, complete,
         files, phases,
     )  # fmt: skip
-    write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
+    with writing_into(layout):
+        write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
     outcome = Outcome(summary, beat.stopped_by)
     beat.publish_outcome(outcome)
     return outcome

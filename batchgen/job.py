@@ -9,7 +9,6 @@ before the model loads, the model after), and only then is the manifest written.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import sys
 import threading
@@ -53,7 +52,9 @@ from batchgen.io.checkpoint import (
     remove_result_files,
     remove_temp_files,
     scan_committed,
+    write_failed,
     write_manifest,
+    writing_into,
 )
 from batchgen.io.fs import as_path, is_object
 from batchgen.io.layout import OUTPUT_FORMATS
@@ -388,7 +389,8 @@ def _run(
         # the job's own engine process: its phases, whole (startup_s has what was waited for)
         engine_startup_s=engine.engine_startup_s if "engine_process" in startup else {},
     )
-    write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
+    with writing_into(layout):
+        write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
     interrupted = stop.is_set() and not complete
     return JobResult(summary, interrupted, profile_file=None if profile is None else str(profile))
 
@@ -621,7 +623,8 @@ def claim(
     if previous is not None and previous.identity == identity:
         return True
     before = None if previous is None else {"spec": previous.spec, "identity": previous.identity}
-    write_manifest(layout, spec.to_dict(), identity, before)
+    with writing_into(layout):
+        write_manifest(layout, spec.to_dict(), identity, before)
     return previous is not None or bool(layout.shard_paths())
 
 
@@ -771,7 +774,7 @@ def run_pipeline(
     if producer.error is not None:
         raise producer.error
     if consumer.error is not None:
-        raise _write_failed(consumer.error, layout)
+        raise write_failed(consumer.error, layout)
     return consumer.stats, producer, profile
 
 
@@ -798,23 +801,6 @@ def _stop_profile(recorder: Any) -> Path | None:
     except Exception as exc:
         _to_stderr(f"the profile records could not be written ({type(exc).__name__}: {exc})")
         return None
-
-
-def _write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
-    if isinstance(exc, BatchgenError):
-        return exc
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        reason = "the disk is full"
-    else:
-        reason = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
-    error = BatchgenError(
-        f"writing results into '{layout.dir}' failed ({reason}): the rows committed so far are "
-        "kept; fix the cause and run the same command again to resume"
-    )
-    error.__cause__ = exc
-    return error
 
 
 def _prompt_stage(spec: JobSpec, engine: Engine) -> tuple[Any, str | None]:
@@ -915,7 +901,7 @@ def write_results(spec: JobSpec, layout: OutputLayout, tokenizer: Any) -> FinalF
     try:
         return input_format(spec.input.format).write_results(spec, layout, tokenizer)
     except OSError as exc:
-        raise _write_failed(exc, layout) from exc
+        raise write_failed(exc, layout) from exc
 
 
 def _to_stderr(message: str) -> None:

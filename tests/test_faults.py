@@ -168,6 +168,45 @@ def test_a_full_disk_stops_the_job_and_the_rerun_completes(
     assert [r["index"] for r in read_rows(tmp_path / "out")] == list(range(42))
 
 
+@pytest.mark.parametrize("write", ["lock", "manifest", "summary"])
+def test_a_full_disk_at_the_jobs_own_files_is_the_same_line_and_the_rerun_completes(
+    model_dir, tmp_path: Path, monkeypatch, write: str
+) -> None:
+    """Not only shards: the lock's owner, the manifest and summary.json failing for a full
+    disk stop the job with the same one line (exit 2 from the command line, not an internal
+    error), and the rerun completes."""
+    import batchgen.io.checkpoint as checkpoint
+    import batchgen.job as job_module
+
+    model = model_dir("llama")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Row {i}."} for i in range(6)])
+    out = tmp_path / "out"
+    sets = ("output.shard_rows=4", "sampling.max_new_tokens=4")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if write == "lock":
+        monkeypatch.setattr(checkpoint, "_write_owner", full)
+    elif write == "manifest":
+        monkeypatch.setattr(job_module, "write_manifest", full)
+    else:
+        real = job_module.write_json_atomic
+        monkeypatch.setattr(
+            job_module, "write_json_atomic",
+            lambda path, *a, **k: full() if path.name == "summary.json" else real(path, *a, **k),
+        )  # fmt: skip
+    with pytest.raises(
+        BatchgenError, match=r"^writing results into .* failed \(the disk is full\)"
+    ):
+        run_job(spec_for(model, inp, out, *sets))
+    if write == "lock":
+        assert not out.exists(), "the folder the run made is removed with its lock"
+    monkeypatch.undo()
+    result = run_job(spec_for(model, inp, out, *sets))
+    assert result.complete and [r["index"] for r in read_rows(out)] == list(range(6))
+
+
 def test_an_output_directory_removed_mid_run_is_one_line_then_resumes(
     model_dir, tmp_path: Path, monkeypatch
 ) -> None:

@@ -10,6 +10,7 @@ that cannot be read whole is moved aside and its rows are generated again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -205,6 +206,34 @@ def _reason(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
+def write_failed(exc: BaseException, layout: OutputLayout) -> BaseException:
+    """A failed write into the output directory (a full disk, a quota, an I/O error) as the
+    one line that says so; a BatchgenError as it is."""
+    if isinstance(exc, BatchgenError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "the disk is full" if exc.errno == errno.ENOSPC else "the disk quota is used up"
+    else:
+        reason = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+    error = BatchgenError(
+        f"writing results into '{layout.dir}' failed ({reason}): the rows committed so far are "
+        "kept; fix the cause and run the same command again to resume"
+    )
+    error.__cause__ = exc
+    return error
+
+
+@contextlib.contextmanager
+def writing_into(layout: OutputLayout) -> Iterator[None]:
+    """An OSError raised in the block is a failed write into the directory (write_failed)."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_failed(exc, layout) from exc
+
+
 # -- lock ------------------------------------------------------------------------------------
 
 
@@ -286,7 +315,11 @@ class DirectoryLock:
                 ) from None
             if _same_file(fd, self.layout.lock):
                 self._fd = fd
-                _write_owner(fd, self.run)
+                try:
+                    _write_owner(fd, self.run)
+                except OSError as exc:
+                    self.release()
+                    raise write_failed(exc, self.layout) from exc
                 return
             os.close(fd)
         raise BatchgenError(f"could not lock output directory '{out}': try again")
