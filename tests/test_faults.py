@@ -45,6 +45,43 @@ BAD_LINES = {
 }
 
 
+def test_parquet_strings_that_are_not_utf8_are_error_rows(model_dir, tmp_path: Path) -> None:
+    """pyarrow reads string bytes that are not UTF-8 (from writers that do not check) and
+    fails only as they become Python: such a row (prompt, id or pass-through column) is an
+    error row naming its column, as a JSONL line's bad bytes are, and the job goes on, alone
+    and when a resume reads the committed rows' ids alone."""
+
+    def text(values: list[bytes]) -> pa.Array:
+        return pa.array(values, pa.binary()).view(pa.string())  # not checked
+
+    inp = tmp_path / "in.parquet"
+    ids = [b"r0", b"r1", b"r2", b"r\xfe3", b"r4", b"r5"]
+    prompts = [b"a", b"b \xff", b"c", b"d", b"e", b"f"]
+    tags = [b"x", b"x", b"\xc3", b"x", b"x", b"x"]
+    table = pa.table({"id": text(ids), "prompt": text(prompts), "tag": text(tags)})
+    pq.write_table(table, inp, row_group_size=2)
+    sets = ("prompt.id_column='id'", "sampling.max_new_tokens=2", "output.shard_rows=1")
+    sets += ("prompt.passthrough=['tag']",)
+    out = tmp_path / "out"
+    spec = spec_for(model_dir("llama"), inp, out, *sets)
+    first = run_job(spec)
+    assert first.complete
+    rows = read_rows(out)
+    assert [r["index"] for r in rows] == list(range(6))
+    errors = {r["index"]: r["error"] for r in rows if r["error"] is not None}
+    assert set(errors) == {1, 2, 3}, errors
+    assert "column 'prompt' is not valid UTF-8 (byte 0xff at 3)" in errors[1]
+    assert "column 'tag' is not valid UTF-8" in errors[2]
+    assert "column 'id' is not valid UTF-8" in errors[3]
+    assert [r["id"] for r in rows if r["index"] in (0, 4, 5)] == ["r0", "r4", "r5"]
+    # a resume with rows 4 and 5 left: row groups 0 and 1 are read as their ids alone
+    for shard in (out / "shards").glob("part-*"):
+        if min(pq.read_table(shard).column("index").to_pylist()) >= 4:
+            shard.unlink()
+    again = run_job(spec)
+    assert again.complete and [r["index"] for r in read_rows(out)] == list(range(6))
+
+
 def lines_input(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

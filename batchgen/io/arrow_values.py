@@ -158,6 +158,36 @@ def python_rows(batch: pa.RecordBatch | pa.Table) -> list[dict[str, Any]]:
     return [dict(zip(batch.schema.names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
+def python_rows_or_errors(
+    batch: pa.RecordBatch | pa.Table,
+) -> list[tuple[dict[str, Any] | None, str | None]]:
+    """python_rows as (values, None), but a row holding a string whose bytes are not valid
+    UTF-8 (pyarrow reads them from files whose writer did not check, and fails only as they
+    become Python) as (None, why), naming its column, as a JSONL line's bad bytes are."""
+    try:
+        return [(values, None) for values in python_rows(batch)]
+    except UnicodeDecodeError:
+        pass
+    out: list[tuple[dict[str, Any] | None, str | None]] = []
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        try:
+            out.append((python_rows(row)[0], None))
+        except UnicodeDecodeError:
+            out.append((None, _not_utf8(row)))
+    return out
+
+
+def _not_utf8(row: pa.RecordBatch | pa.Table) -> str:
+    for name, column in zip(row.schema.names, row.columns, strict=True):
+        try:
+            python_values(column)
+        except UnicodeDecodeError as exc:
+            byte = exc.object[exc.start]
+            return f"column {name!r} is not valid UTF-8 (byte 0x{byte:02x} at {exc.start + 1})"
+    raise AssertionError("a row that failed to decode decodes")  # pragma: no cover
+
+
 def narrowed(values: dict[str, Any], kinds: Mapping[str, pa.DataType]) -> dict[str, Any]:
     """A row read as plain Python values (a datasets row), a float32 or float16 column's
     value made Float32 or Float16 as `python_values` makes it."""

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import readers
-from batchgen.io.arrow_values import python_rows, python_values
+from batchgen.io.arrow_values import python_rows_or_errors
 from batchgen.io.fs import InputChanged, Pin, arrow_file
 from batchgen.row_share import RankRows
 
@@ -91,17 +91,23 @@ def _parquet_file_rows(
             index = start
             for batch in batches:
                 check()
-                for values in python_rows(batch):
+                for values, error in python_rows_or_errors(batch):
                     own = rows.reads(index)
-                    yield readers.project(values, columns) if own else _id(values, id_column), None
+                    if values is None:
+                        yield None, error
+                    else:
+                        yield (
+                            readers.project(values, columns) if own else _id(values, id_column),
+                            None,
+                        )
                     index += 1
         elif ids:  # the id column alone: a later row with one of these ids is a duplicate
             for batch in pf.iter_batches(
                 batch_rows, row_groups=[group], columns=ids, use_threads=False
             ):
                 check()
-                for value in python_values(batch.column(0)):
-                    yield {id_column: value}, None
+                for values, error in python_rows_or_errors(batch):
+                    yield values, error
         else:  # nothing of it is needed but its row count
             for _ in range(count):
                 yield _id({}, id_column), None

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, check_field
 from batchgen.io import rank_reads  # one rank's rows; it reads through this module's helpers
-from batchgen.io.arrow_values import check_exact, narrowed, python_rows
+from batchgen.io.arrow_values import check_exact, narrowed, python_rows_or_errors
 from batchgen.io.fs import (
     InputChanged,
     Pin,
@@ -417,8 +417,8 @@ def _parquet_rows(
                 batches = pf.iter_batches(batch_rows, columns=read, use_threads=False)
                 for batch in batches:
                     still_scanned(path, pin)
-                    for values in python_rows(batch):
-                        yield project(values, columns), None
+                    for values, error in python_rows_or_errors(batch):
+                        yield (None if values is None else project(values, columns)), error
         except (pa.ArrowException, OSError) as exc:
             damaged = f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
             raise parquet_failure(exc, name, damaged) from exc
