@@ -235,6 +235,27 @@ def test_a_local_file_touched_midway_is_read_whole(tmp_path: Path, kind: str) ->
     assert got == [f"A {i}" for i in range(ROWS)]
 
 
+@pytest.mark.parametrize("rank", [False, True])
+def test_a_parquet_file_rewritten_in_place_mid_read_is_changed_not_damaged(
+    tmp_path: Path, rank: bool
+) -> None:
+    """Rewritten in place (the same file, other bytes) between two row groups: the next read
+    fails to parse before the per-batch check can run; the line says the file changed, not
+    that it is damaged (it is not: replacing it would be the wrong advice)."""
+    path = tmp_path / "d.parquet"
+    path.write_bytes(parquet("A"))
+    source = open_input(InputConfig(str(path), batch_rows=5))
+    source.fingerprint()
+    share = RowShare(0, 1).rows(ROWS, set())
+    batches = source.rank_batches(["prompt"], "uid", share) if rank else source.batches()
+    with pytest.raises(BatchgenError) as caught:
+        for _ in batches:
+            with path.open("r+b") as f:  # in place: the reader's open file sees the bytes
+                f.write(os.urandom(len(parquet("A"))))
+    assert "changed while the job read it" in str(caught.value), caught.value
+    assert "damaged" not in str(caught.value)
+
+
 def test_a_parquet_file_whose_time_changed_before_its_fingerprint_is_refused(
     tmp_path: Path,
 ) -> None:

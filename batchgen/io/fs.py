@@ -154,7 +154,8 @@ class InputChanged(BatchgenError):
         super().__init__(
             f"input {name!r} changed while the job read it ({what} from when it was scanned; "
             "no row of the changed content was used): run the same command again once it no "
-            "longer changes"
+            "longer changes (with the content the job began with it resumes; a changed input "
+            "is another job's, which that run names)"
         )
 
 

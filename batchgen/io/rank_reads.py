@@ -53,7 +53,7 @@ def parquet_rank_rows(
                 f"parquet file {name!r} is damaged ({readers._reason(exc)}): "
                 "replace it and run again"
             )
-            raise readers.parquet_failure(exc, name, damaged) from exc
+            raise readers.parquet_failure(exc, name, damaged, path, pin) from exc
 
 
 @contextmanager

@@ -421,7 +421,7 @@ def _parquet_rows(
                         yield (None if values is None else project(values, columns)), error
         except (pa.ArrowException, OSError) as exc:
             damaged = f"parquet file {name!r} is damaged ({_reason(exc)}): replace it and run again"
-            raise parquet_failure(exc, name, damaged) from exc
+            raise parquet_failure(exc, name, damaged, path, pin) from exc
 
 
 def unreadable(exc: OSError, path: Path, name: str) -> BatchgenError:
@@ -432,11 +432,21 @@ def unreadable(exc: OSError, path: Path, name: str) -> BatchgenError:
     return BatchgenError(f"cannot read {name!r} ({_reason(exc)}): check the file")
 
 
-def parquet_failure(exc: BaseException, name: str, damaged: str) -> BatchgenError:
+def parquet_failure(
+    exc: BaseException, name: str, damaged: str, path: Path | None = None, pin: Pin | None = None
+) -> BatchgenError:
     """A Parquet read's failure as one line: its store's (a broken transfer, a refusal: the
-    store's own line, what to do) or else the file's content (`damaged`)."""
+    store's own line, what to do), the file's change since it was scanned (path and pin: a
+    file rewritten in place fails to parse mid-read), or else its content (`damaged`)."""
     if isinstance(exc, StoreFailure):
         return BatchgenError(f"reading {name!r} failed: {exc}")
+    if path is not None and pin is not None:
+        try:
+            still_scanned(path, pin)
+        except InputChanged as changed:
+            return changed
+        except Exception:  # cannot tell: the read's own failure says it
+            pass
     return BatchgenError(damaged)
 
 
