@@ -393,12 +393,14 @@ def build_default() -> None:
 ABORTED = "batchgen: aborted; committed rows are kept: run again to resume"
 
 
-def _abort() -> NoReturn:
+def _abort(echo: bool = True) -> NoReturn:
     """Leave at once, as SIGKILL would: committed shards are whole, a rerun redoes the rest.
     Not by raising KeyboardInterrupt from the handler: where that lands in a weakref callback
-    or a __del__, Python prints it as a traceback and carries on."""
-    sys.stderr.write(f"\n{ABORTED}\n")
-    sys.stderr.flush()
+    or a __del__, Python prints it as a traceback and carries on. echo: say so (the ranks of
+    a job but the one that reports it leave quietly)."""
+    if echo:
+        sys.stderr.write(f"\n{ABORTED}\n")
+        sys.stderr.flush()
     os._exit(128 + signal.SIGINT)
 
 
@@ -411,7 +413,7 @@ class _stop_on_signals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop.is_set() and signum == signal.SIGINT:
-            _abort()
+            _abort(self.echo)
         self.received.append(signum)
         self.stop.set()
         if self.echo:

@@ -11,6 +11,8 @@ block the others. Each rank runs a thread that, every BEAT_S:
   reads `stop` sets its job's stop event (the step in flight finishes, the rows done are
   committed). A rank lost after it ended (its beat says so: its
   rows are committed) stops no one.
+A store call has no time limit of its own (a frozen host never answers), so a second thread
+watches the first: a step that has not ended within `timeout_s` is the store lost.
 At the end every rank publishes its RankEnd; rank 0 waits for every rank's end (or its loss),
 writes the final file and the summary, and publishes the outcome; every other rank waits for
 it (or rank 0's loss), acknowledges it and leaves; rank 0 leaves once every rank not lost has
@@ -107,6 +109,17 @@ def _store_lost(me: int, exc: Exception) -> Stop:
     )
 
 
+def _store_silent(timeout_s: float) -> Stop:
+    """The store has not answered for timeout_s: its host is frozen or its machine lost."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    silent = f"its store at {where} has not answered for {timeout_s:g} s"
+    if os.environ.get(RANK_EXITS):  # `batchgen run --gpus N`: rank 0 hosts the store
+        return Stop(0, f"rank 0 stopped ({silent})")
+    return Stop(
+        -1, f"lost the job's store ({silent}): rank 0, or the torchrun that hosts it, stopped"
+    )
+
+
 def publish_first_beat(group: Group) -> None:
     """Before the last start-up collective: every rank's beat exists once it is passed."""
     group.store.set(f"beat/{group.rank}", pickle.dumps(Beat(0, Progress(), False)))
@@ -146,13 +159,17 @@ class Heartbeat:
         self._done = threading.Event()  # the loop is over
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batchgen-heartbeat", daemon=True)
+        self._stepped = time.monotonic()  # when the loop last ended a step (the store answered)
+        self._watch = threading.Thread(target=self._watchdog, name="batchgen-watch", daemon=True)
 
     # -- the main thread's side --------------------------------------------------------------
 
     def start(self) -> None:
         now = time.monotonic()
         self._seen = [now] * self.world
+        self._stepped = now
         self._thread.start()
+        self._watch.start()
 
     def finish(self, end: RankEnd) -> None:
         """This rank's part is over (published by the loop; a failure stops every rank)."""
@@ -184,12 +201,21 @@ class Heartbeat:
         try:
             while not self._closing.is_set() and not self._done.is_set():
                 self._tick()
+                self._stepped = time.monotonic()
                 self._closing.wait(BEAT_S)
         except Exception as exc:  # the store is gone: its host (rank 0 or torchrun) stopped
             self._stop_by(_store_lost(self.rank, exc))
         finally:
             self._ended.set()
             self._done.set()
+
+    def _watchdog(self) -> None:
+        """The loop stuck in a store call for timeout_s: the store is lost, every wait ends."""
+        while not self._done.wait(BEAT_S):
+            if time.monotonic() - self._stepped > self.timeout_s:
+                self._stop_by(_store_silent(self.timeout_s))
+                self._ended.set()
+                self._done.set()
 
     def _tick(self) -> None:
         store, me = self.store, self.rank

@@ -260,6 +260,61 @@ def test_force_resume_on_ranks_refuses_rows_that_moved_and_keeps_the_record(job,
     assert after == {k: v for k, v in before.items() if k != "job.lock"}, "nothing written"
 
 
+def test_a_store_that_stops_answering_stops_the_rank_within_the_heartbeat_timeout(monkeypatch):
+    """A store call has no time limit (rank 0, hosting it under --gpus, frozen: SIGSTOP, a
+    hung machine): the rank's heartbeat notices its own loop stuck for timeout_s, stops the
+    job naming rank 0, and its waits for rank 0's outcome end instead of lasting forever."""
+    from batchgen.distributed import RANK_EXITS
+    from batchgen.heartbeat import Heartbeat, Progress, publish_first_beat
+
+    frozen = threading.Event()
+
+    class Store:
+        def __init__(self) -> None:
+            self.data: dict[str, bytes] = {}
+
+        def _wait(self) -> None:
+            if frozen.is_set():
+                threading.Event().wait()  # never answers
+
+        def set(self, key: str, value: bytes) -> None:
+            self._wait()
+            self.data[key] = value
+
+        def get(self, key: str) -> bytes:
+            self._wait()
+            return self.data[key]
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            self._wait()
+            return [self.data[k] for k in keys]
+
+        def check(self, keys: list[str]) -> bool:
+            self._wait()
+            return all(k in self.data for k in keys)
+
+    class Group1:
+        store, rank, world_size = Store(), 1, 2
+
+    monkeypatch.setenv(RANK_EXITS, "/nonexistent")  # as under `batchgen run --gpus N`
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    group = Group1()
+    publish_first_beat(group)
+    group.store.set("beat/0", group.store.get("beat/1"))
+    stop = threading.Event()
+    beat = Heartbeat(group, stop, 1.0, lambda: Progress())
+    beat.start()
+    frozen.set()
+    assert stop.wait(60), "the rank never stopped"
+    assert beat.wait_outcome() is None  # returns: rank 0 gave none
+    assert beat.stopped_by.rank == 0
+    assert beat.stopped_by.why == (
+        "rank 0 stopped (its store at 127.0.0.1:29999 has not answered for 1 s)"
+    )
+    beat.close()
+
+
 def test_a_rank_checks_that_the_lock_is_still_its_runs(tmp_path):
     layout = OutputLayout(tmp_path / "out")
     with DirectoryLock(layout) as lock:
