@@ -42,6 +42,29 @@ def test_n_samples_are_separate_results(path: Path) -> None:
     assert len({tuple(o.output_token_ids) for o in greedy}) == 1
 
 
+def test_each_generate_call_draws_new_unseeded_samples_reproducibly(path: Path) -> None:
+    """As a vLLM LLM's calls do: an unseeded sampled prompt generated again on the same
+    engine gets new samples (best-of-N by calling again is not N copies); the first call of
+    a fresh engine repeats the first call's, and a seed or a job's seed key keeps a prompt's
+    samples across calls."""
+    prompts = [random_prompts(1, 5, 5, 1000, seed=1)[0]] * 3
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True)
+
+    def draw(e: Engine, p=prompts, sp=params) -> list[tuple[int, ...]]:
+        outs = sorted(e.generate(p, sp), key=lambda o: int(o.request_id))
+        return [tuple(o.output_token_ids) for o in outs]
+
+    one = engine(path)
+    calls = [draw(one) for _ in range(3)]
+    assert len({t for call in calls for t in call}) == 9, "every sample differs"
+    fresh = engine(path)
+    assert [draw(fresh) for _ in range(2)] == calls[:2], "reproducible per engine"
+    seeded = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, seed=7)
+    assert draw(one, sp=seeded) == draw(one, sp=seeded)
+    keyed = [Prompt(p, str(i), seed_key=f"row-{i}") for i, p in enumerate(prompts)]
+    assert draw(one, p=keyed) == draw(one, p=keyed)
+
+
 def test_logprobs_are_the_models_own(path: Path) -> None:
     prompt = random_prompts(1, 6, 6, 1000, seed=2)[0]
     params = SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True)

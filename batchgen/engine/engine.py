@@ -187,6 +187,10 @@ class Engine:
         self._in_flight: tuple[Batch, StepOutput] | None = None
         self._live: dict[str, int] = {}  # request id -> samples still running
         self._generating = False  # a generate call is open (its first result asked, not ended)
+        # generate calls begun: a seed derived for a request without a seed key is keyed by
+        # its id and its call, so each call draws new samples (as a vLLM LLM's calls do), the
+        # first as in a fresh engine
+        self._calls = 0
         self.stops = StopWatcher(tokenizer)  # stop strings are matched off this thread
         self._held: set[Request] = set()  # ended, waiting for the stop watcher's verdict
         self.profiler: StepProfiler | None = None  # told of every step (batchgen/profile)
@@ -250,6 +254,7 @@ class Engine:
         exhausted = False
         failure: BaseException | None = None
         self._generating = True
+        self._calls += 1
         try:
             while True:
                 pulls = max(PULL_MIN, self.config.max_num_seqs // PULL_SHARE)
@@ -716,7 +721,10 @@ class Engine:
             raise ValueError("stop strings need a tokenizer: pass stop_token_ids instead")
         if params.structured and self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer: pass one")
-        key = request_id if prompt.seed_key is None else str(prompt.seed_key)
+        if prompt.seed_key is not None:  # a job's row id: the same text in any run
+            key = str(prompt.seed_key)
+        else:
+            key = request_id if self._calls <= 1 else f"{request_id}#{self._calls}"
         seed = params.seed if params.seed is not None else self._derived_seed(key)
         return ids, params, seed, max_tokens
 

@@ -117,8 +117,9 @@ class Request:
 class Prompt(NamedTuple):
     """One input to Engine.generate: text or token ids, an optional id and sampling overrides.
 
-    seed_key: what a seed derived from the engine seed is keyed by (a job passes the row's id);
-    None = the request id.
+    seed_key: what a seed derived from the engine seed is keyed by (a job passes the row's id:
+    the same samples in every call); None = the request id and the engine's count of generate
+    calls, so each call draws new samples, the first as a fresh engine's.
     """
 
     prompt: str | list[int]
