@@ -37,6 +37,8 @@ class ModelConfig:
     served_model_name: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        path_ok = isinstance(self.path, str) and bool(self.path.strip())
+        check_field(path_ok, "path", self.path, 'a model folder, a hub id or "default"')
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         if not all(isinstance(n, str) and n for n in self.served_model_name):
             raise ValueError(
@@ -50,6 +52,7 @@ class ModelConfig:
 
 
 ENGINE_PLACES = ("auto", "process", "thread")
+MAX_TIMEOUT_S = 1e7  # ~116 days: longer waits overflow torch.distributed's timeouts
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,14 @@ class PipelineConfig:
             raise ValueError(f"prefetch_batches={self.prefetch_batches} must be >= 1")
         if not 0 < self.switch_interval_ms <= 100:
             raise ValueError(f"switch_interval_ms={self.switch_interval_ms} must be in (0, 100]")
-        if self.rank_timeout_s <= 0:
-            raise ValueError(f"rank_timeout_s={self.rank_timeout_s} must be > 0")
-        if self.heartbeat_timeout_s < 2:
-            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 2")
+        if not 0 < self.rank_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"rank_timeout_s={self.rank_timeout_s} must be in (0, {MAX_TIMEOUT_S:g}]"
+            )
+        if not 2 <= self.heartbeat_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be in [2, {MAX_TIMEOUT_S:g}]"
+            )
         if self.engine_cpus is not None and self.engine_cpus < 0:
             raise ValueError(f"engine_cpus={self.engine_cpus} must be >= 0 (or unset)")
         check_field(
@@ -424,6 +431,11 @@ def _build_section(section: str, values: Any, classes: tuple[type, ...]) -> list
     return out
 
 
+# list-of-strings keys that take one string as a list of one (OpenAI's `stop` is either);
+# `choice` is not one of them: it is a list in every other place it is given
+ONE_STRING_LISTS = ("sampling.stop", "prompt.passthrough", "model.served_model_name")
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check value against a field's annotation; tuples come from TOML arrays."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
@@ -431,8 +443,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if option is type(None) and value is None:
             return None
         origin = typing.get_origin(option)
-        if origin is tuple and isinstance(value, str) and typing.get_args(option)[0] is str:
+        if origin is tuple and isinstance(value, str) and where in ONE_STRING_LISTS:
             return (value,)  # one string where a list of strings is expected
+        if where == "sampling.choice" and value == []:
+            raise BatchgenError(f"{where} = []: give at least one string, or leave choice out")
         if origin is tuple and isinstance(value, list):
             item = typing.get_args(option)[0]
             if all(_is(v, item) for v in value):

@@ -69,8 +69,11 @@ def test_the_ranks_of_a_data_parallel_run_are_one_run_and_rank_0_is_reported(
     from batchgen.profile.report import _others, find_run
 
     layout = OutputLayout(tmp_path)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 60)  # a run a minute before
     older = _profiled_run(layout)
     alone = older.replace(f"-{os.getpid()}-", "-")  # a run alone: its name is its token's
+    monkeypatch.setattr(time, "time", lambda: now)
     name = new_run_name()
     tokens = {}
     for rank, pid in ((1, 100), (0, 999), (2, 5)):  # pids sort unlike ranks

@@ -109,6 +109,7 @@ def test_a_number_that_is_not_finite_is_refused_naming_its_key(item: str) -> Non
     [
         ("cpu_kv_cache_gib", 1e9),  # more memory than any machine has
         ("cpu_kv_cache_gib", 1e30),  # more blocks than a tensor's size can say
+        ("cpu_kv_cache_gib", 1e300),  # more bytes than a float holds
         ("max_num_batched_tokens", 10**13),
     ],
 )
@@ -183,3 +184,50 @@ def test_file_urls_from_options_name_the_local_path(tmp_path) -> None:
     assert spec.model.path == f"{tmp_path}/model"
     home = load_spec(None, ["input.path=~/in.jsonl", "output.dir=o"]).input.path
     assert home == str(Path("~/in.jsonl").expanduser())
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ("sampling.choice=[]", "sampling.choice = []: give at least one string"),
+        ('sampling.choice="yes"', "sampling.choice = 'yes': expected"),
+        ("runtime.max_num_seqs=100000000", "use an integer in [1, 1,048,576]"),
+        ("runtime.max_num_seqs=99999999999999999999", "max_num_seqs"),
+        ("runtime.cpu_threads=100000", "use an integer in [1, 1024]"),
+        ("runtime.rank_timeout_s=1e300", "rank_timeout_s=1e+300 must be in (0, 1e+07]"),
+        ("runtime.heartbeat_timeout_s=1e10", "must be in [2, 1e+07]"),
+        ("runtime.max_model_len=2", "max_model_len=2 is not allowed: use >= 3"),
+        ("model.path='  '", "path='  ' is not allowed"),
+        ("output.dir='   '", "dir='   ' is not allowed"),
+    ],
+)  # fmt: skip
+def test_values_no_engine_could_start_with_or_that_mean_nothing_are_refused(
+    item: str, words: str
+) -> None:
+    """Refused by the spec (validate and run alike) in one line, never taken as something
+    else (one choice string as a list, an empty choice as no constraint) or left to crash
+    the run (allocations, threads, timeouts past what torch takes)."""
+    base = [b for b in BASE if not b.startswith(item.partition("=")[0])]
+    with pytest.raises(BatchgenError) as caught:
+        load_spec(None, [*base, item])
+    assert words in str(caught.value) and "\n" not in str(caught.value), caught.value
+
+
+def test_one_string_is_a_list_of_one_only_where_the_field_says_so() -> None:
+    spec = load_spec(
+        None, [*BASE, "sampling.stop=END", "prompt.passthrough=url", "model.served_model_name=m"]
+    )
+    assert spec.sampling.stop == ("END",) and spec.prompt.passthrough == ("url",)
+    assert spec.model.served_model_name == ("m",)
+
+
+def test_an_empty_choice_given_is_refused_where_a_list_is_given() -> None:
+    """choice=[] would be a constraint with no option: refused (the Python API, a row's
+    sampling column), while no choice at all stays no constraint."""
+    from batchgen import SamplingParams
+
+    with pytest.raises(ValueError, match=r"choice=\[\] must list at least one string"):
+        SamplingParams(choice=[])
+    with pytest.raises(ValueError, match=r"choice=\[\] must list"):
+        SamplingParams().replace(choice=[])
+    assert not SamplingParams().structured

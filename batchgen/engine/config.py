@@ -14,6 +14,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+# bounds of settings past which an engine could not start (allocations, threads)
+MAX_NUM_SEQS = 1 << 20
+MAX_CPU_THREADS = 1024
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where block_size is unset (and no FP8 cache)
 
 
@@ -114,7 +117,12 @@ class EngineConfig:
             "a number in (0, 1]",
         )
         check_field(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "> 0")
-        check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        check_field(
+            1 <= self.max_num_seqs <= MAX_NUM_SEQS,
+            "max_num_seqs",
+            self.max_num_seqs,
+            f"an integer in [1, {MAX_NUM_SEQS:,}]",
+        )
         if self.max_num_batched_tokens is not None:
             check_field(
                 self.max_num_batched_tokens >= self.max_num_seqs,
@@ -123,9 +131,14 @@ class EngineConfig:
                 f">= max_num_seqs ({self.max_num_seqs})",
             )
         if self.cpu_threads is not None:
-            check_field(self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "an integer >= 1")
+            check_field(
+                1 <= self.cpu_threads <= MAX_CPU_THREADS,
+                "cpu_threads",
+                self.cpu_threads,
+                f"an integer in [1, {MAX_CPU_THREADS}]",
+            )
         if self.max_model_len is not None:
-            check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
+            check_field(self.max_model_len >= 3, "max_model_len", self.max_model_len, ">= 3")
         check_field(
             self.attention_backend in ("auto", "reference", "triton"),
             "attention_backend",

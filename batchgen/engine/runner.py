@@ -52,7 +52,8 @@ def plan_num_blocks(
     if device.type == "cuda":
         budget = int(_free_bytes(device) * config.kv_cache_memory_fraction)
     else:
-        budget = int(config.cpu_kv_cache_gib * _GIB)
+        # past any machine's memory either way (the allocation says so), but an integer
+        budget = int(min(config.cpu_kv_cache_gib, 2.0**40) * _GIB)
     num_blocks = max(0, budget // per_block)
     needed = blocks_for(max_model_len, config.block_size)
     if num_blocks < needed:
@@ -97,7 +98,7 @@ def allocating(what: str, setting: str) -> Iterator[None]:
     except (MemoryError, RuntimeError, TypeError, OverflowError) as exc:
         text = str(exc)
         if not isinstance(exc, (MemoryError, OverflowError)) and not any(
-            word in text for word in ("alloc", "out of memory", "Overflow")
+            word in text.lower() for word in ("alloc", "out of memory", "overflow")
         ):
             raise
         reason = text.strip().splitlines()[0][:160] if text.strip() else type(exc).__name__
@@ -199,9 +200,12 @@ class ModelRunner:
         self.pad_slot = config.max_num_seqs
         width = blocks_for(max_model_len, config.block_size)
         # block_tables[slot]: [width] int32 KV block ids of the request in that slot, -1 unused
-        self.block_tables = torch.full(
-            (config.max_num_seqs + 1, width), -1, dtype=torch.int32, device=device
-        )
+        with allocating(
+            f"block tables of {config.max_num_seqs:,} sequences", "runtime.max_num_seqs"
+        ):
+            self.block_tables = torch.full(
+                (config.max_num_seqs + 1, width), -1, dtype=torch.int32, device=device
+            )
         self.block_tables[self.pad_slot] = num_blocks
         # relay[slot]: the newest sampled token of the request in that slot, on the device
         self.relay = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=device)

@@ -53,6 +53,8 @@ class SamplingParams:
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.choice, list):
+            if not self.choice:  # given, unlike the default (): a constraint with no option
+                raise ValueError("choice=[] must list at least one string (or leave it out)")
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's "off" is our 0
             object.__setattr__(self, "top_k", 0)

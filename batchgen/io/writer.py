@@ -59,7 +59,8 @@ class OutputConfig:
     final_file: bool = True  # write one result file in input order at the end
 
     def __post_init__(self) -> None:
-        check_field(bool(self.dir), "dir", self.dir, "a folder path")
+        dir_ok = isinstance(self.dir, str) and bool(self.dir.strip())
+        check_field(dir_ok, "dir", self.dir, "a folder path")
         check_output_url(self.dir)
         allowed = " or ".join(OUTPUT_FORMATS)
         check_field(self.format in OUTPUT_FORMATS, "format", self.format, allowed)
