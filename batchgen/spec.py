@@ -367,7 +367,18 @@ def _reason(exc: tomllib.TOMLDecodeError) -> str:
 def spec_from_table(table: dict[str, Any]) -> JobSpec:
     unknown = sorted(set(table) - set(SECTIONS))
     if unknown:
-        raise BatchgenError(f"unknown section [{unknown[0]}]: sections are {', '.join(SECTIONS)}")
+        name = unknown[0]
+        if not isinstance(table[name], dict):  # `key = value` written above any [section]
+            owners = [
+                section for section, classes in SECTIONS.items()
+                if any(f.name == name for c in classes for f in dataclasses.fields(c))
+            ]  # fmt: skip
+            where = f"it belongs under [{owners[0]}]" if owners else "keys belong under a section"
+            raise BatchgenError(
+                f"{name} = {table[name]!r} is outside any [section]: {where} "
+                f"(sections are {', '.join(SECTIONS)})"
+            )
+        raise BatchgenError(f"unknown section [{name}]: sections are {', '.join(SECTIONS)}")
     for name in ("input", "output"):
         if name in table and not isinstance(table[name], dict):
             raise _not_a_table(name, table[name])

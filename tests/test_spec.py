@@ -231,3 +231,13 @@ def test_an_empty_choice_given_is_refused_where_a_list_is_given() -> None:
     with pytest.raises(ValueError, match=r"choice=\[\] must list"):
         SamplingParams().replace(choice=[])
     assert not SamplingParams().structured
+
+
+def test_a_key_above_every_section_says_where_it_belongs(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('max_new_tokens = 5\n[input]\npath = "in.jsonl"\n[output]\ndir = "out"\n')
+    with pytest.raises(BatchgenError) as caught:
+        load_spec(str(job), [])
+    assert str(caught.value).startswith(
+        "max_new_tokens = 5 is outside any [section]: it belongs under [sampling]"
+    )
