@@ -113,6 +113,11 @@ class PipelineConfig:
             self.engine_process,
             " or ".join(ENGINE_PLACES),
         )
+        if self.engine_cpus is not None and self.engine_process == "thread":
+            raise ValueError(
+                f"engine_cpus={self.engine_cpus} places the engine's own process, and "
+                'engine_process = "thread" runs none: leave one of them out'
+            )
 
     def own_engine_process(self, cuda: bool, data_parallel: bool = False) -> bool:
         """Whether the engine runs in a process of its own (engine_process; "auto": on a

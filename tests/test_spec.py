@@ -241,3 +241,9 @@ def test_a_key_above_every_section_says_where_it_belongs(tmp_path: Path) -> None
     assert str(caught.value).startswith(
         "max_new_tokens = 5 is outside any [section]: it belongs under [sampling]"
     )
+
+
+def test_engine_cpus_with_the_engine_in_a_thread_is_refused() -> None:
+    with pytest.raises(BatchgenError, match="engine_cpus=2 places the engine's own process"):
+        load_spec(None, [*BASE, "runtime.engine_cpus=2", "runtime.engine_process='thread'"])
+    assert load_spec(None, [*BASE, "runtime.engine_cpus=2"]).pipeline.engine_cpus == 2
