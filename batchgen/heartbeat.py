@@ -211,7 +211,7 @@ class Heartbeat:
 
     def _watchdog(self) -> None:
         """The loop stuck in a store call for timeout_s: the store is lost, every wait ends."""
-        while not self._done.wait(BEAT_S):
+        while not self._done.wait(BEAT_S) and not self._closing.is_set():
             if time.monotonic() - self._stepped > self.timeout_s:
                 self._stop_by(_store_silent(self.timeout_s))
                 self._ended.set()
