@@ -495,6 +495,42 @@ def test_write_final_orders_overlapping_shards(tmp_path: Path, fmt: str) -> None
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_the_final_parquet_is_written_in_pieces_of_bounded_text(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A window's texts together may pass 2 GiB, past a string column's 32-bit offsets: the
+    window is reordered with 64-bit offsets and written in pieces of at most PIECE_BYTES
+    (one row at least), the same rows in the same order as one piece, types and metadata
+    kept."""
+    from batchgen.io import final as final_module
+
+    extra = ("blob", "tag")
+    shards = [
+        [{"index": i, "id": f"r{i}", "text": "x" * (i * 7), "blob": b"\x00" * i, "tag": None}
+         for i in order]
+        for order in ([5, 1, 3], [0, 4, 2], [7, 6])
+    ]  # fmt: skip
+    write_shards(tmp_path, "parquet", shards, extra=extra)
+    whole = tmp_path / "whole.parquet"
+    write_final(OutputLayout(tmp_path), "parquet", whole)
+    written: list[int] = []
+    real = pq.ParquetWriter.write_table
+
+    def record(self, table, *args, **kwargs):
+        written.append(table.num_rows)
+        return real(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", record)
+    monkeypatch.setattr(final_module, "PIECE_BYTES", 30)
+    pieces = tmp_path / "pieces.parquet"
+    assert write_final(OutputLayout(tmp_path), "parquet", pieces) == 8
+    assert len(written) > 3 and sum(written) == 8
+    one, many = pq.read_table(whole), pq.read_table(pieces)
+    assert many.schema.equals(one.schema, check_metadata=True)
+    assert many.to_pylist() == one.to_pylist()
+    assert [r["index"] for r in many.to_pylist()] == list(range(8))
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_write_final_with_no_shards(tmp_path: Path, fmt: str) -> None:
     final = tmp_path / f"results.{fmt}"

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from itertools import pairwise
 from typing import IO, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -22,6 +23,7 @@ from batchgen.io.output_schema import INPUT_HASH, KEY_COLUMNS, common_type
 from batchgen.io.writer import is_text_field, same_value, text_array, text_field
 
 FINAL_WINDOW_ROWS = 100_000  # write_final sorts this many index values at a time
+PIECE_BYTES = 256 << 20  # of text and bytes per table the final Parquet writer is given
 SAMPLE = KEY_COLUMNS[1]
 
 
@@ -105,13 +107,42 @@ def _final_parquet(
                 pieces.append(_conform(table.filter(keep), schema))
             window = pa.concat_tables(pieces)
             keys = [c for c in KEY_COLUMNS if c in window.column_names]
-            window = window.sort_by([(c, "ascending") for c in keys])
-            samples = window.column(SAMPLE).to_pylist() if SAMPLE in keys else [0] * window.num_rows
-            _check_unique(list(zip(window.column("index").to_pylist(), samples, strict=True)))
-            if window.num_rows:
-                out.write_table(window)
+            order = pc.sort_indices(window.select(keys), [(c, "ascending") for c in keys])
+            ordered = window.select(keys).take(order)
+            indexes = ordered.column("index").to_pylist()
+            samples = ordered.column(SAMPLE).to_pylist() if SAMPLE in keys else [0] * len(order)
+            _check_unique(list(zip(indexes, samples, strict=True)))
+            for piece in _sorted_pieces(window, order, schema):
+                out.write_table(piece)
             written += window.num_rows
     return written
+
+
+def _sorted_pieces(window: pa.Table, order: pa.Array, schema: pa.Schema) -> Iterator[pa.Table]:
+    """The window's rows in `order`, as tables of at most PIECE_BYTES of text and bytes each
+    (one row at least). A string or binary column's offsets are 32-bit: a window's values
+    together may pass 2 GiB (long texts, wide pass-through columns), so the window is joined
+    as large_string / large_binary and each piece taken from it (its offsets from 0) is cast
+    back, well under that."""
+    wide = window.cast(pa.schema([_widened(field) for field in window.schema])).combine_chunks()
+    sizes = np.zeros(window.num_rows, dtype=np.int64)
+    for column, field in zip(wide.columns, wide.schema, strict=True):
+        if field.type in (pa.large_string(), pa.large_binary()):
+            lengths = pc.fill_null(pc.binary_length(column), 0).take(order)
+            sizes += lengths.to_numpy(zero_copy_only=False)
+    start, total = 0, 0
+    for row, size in enumerate(sizes.tolist()):
+        if row > start and total + size > PIECE_BYTES:
+            yield wide.take(order.slice(start, row - start)).cast(schema)
+            start, total = row, 0
+        total += size
+    if window.num_rows > start:
+        yield wide.take(order.slice(start)).cast(schema)
+
+
+def _widened(field: pa.Field) -> pa.Field:
+    wide = {pa.string(): pa.large_string(), pa.binary(): pa.large_binary()}.get(field.type)
+    return field if wide is None else field.with_type(wide)
 
 
 def _unified_schema(paths: list[AnyPath], drop: tuple[str, ...]) -> pa.Schema:
