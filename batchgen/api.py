@@ -120,7 +120,12 @@ class Generator:
                     raise BatchgenError(f"split {split!r}: {exc}") from None
             return type(dataset)(
                 {
-                    split: self._one(ds, spec, _split_dir(checkpoint_dir, split), output_prefix)
+                    split: self._one(
+                        ds,
+                        dataclasses.replace(spec, seed_scope=split),
+                        _split_dir(checkpoint_dir, split),
+                        output_prefix,
+                    )
                     for split, ds in dataset.items()
                 }
             )

@@ -843,8 +843,10 @@ def _drive_engine(
                 continue
             request_id = str(row.index)
             in_flight[request_id] = row
-            # a seed derived from runtime.seed follows the row's id, not its position
-            yield Prompt(row.prompt_ids, request_id, row.overrides or None, seed_key=row.id)
+            # a seed derived from runtime.seed follows the row's id (in a split, the split's
+            # name and the id), not its position in the run
+            key = row.id if spec.seed_scope is None else f"{spec.seed_scope}/{row.id}"
+            yield Prompt(row.prompt_ids, request_id, row.overrides or None, seed_key=key)
 
     for out in engine.generate(
         prompts(), spec.sampling, decode=False, stop=_either(stop, consumer), check_outputs=False

@@ -139,6 +139,9 @@ class JobSpec:
     # the [sampling] fields the job itself sets; the others take the model's recommended
     # values where it has some (runtime.generation_config); None: every field is the job's
     sampling_given: tuple[str, ...] | None = None
+    # a DatasetDict split's name: its rows' seeds derived from runtime.seed are keyed by it
+    # and their ids, apart from the rows at the same positions of the other splits
+    seed_scope: str | None = None
 
     def engine_cores(self, allowed: set[int]) -> frozenset[int]:
         """The cores of `allowed` kept for the engine's own process (engine_cpus)."""

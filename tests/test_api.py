@@ -108,6 +108,23 @@ def test_dataset_dicts_run_each_split(gen: Generator, expected, tmp_path: Path) 
     assert [r["text"] for r in streamed["s"]] == out["train"]["text"]
 
 
+def test_the_splits_of_a_dataset_dict_draw_their_own_samples(gen: Generator) -> None:
+    """An unseeded sampled row's seed follows its split and its position: the same prompts
+    at the same positions of two splits draw apart (the splits are not copies of each
+    other), and each split draws the same again when called again."""
+    same = table().select(range(4))
+    dd = datasets.DatasetDict({"a": same, "b": same})
+    sampling = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    out = gen(dd, sampling=sampling, progress=False, include_token_ids=True)
+    assert out["a"]["token_ids"] != out["b"]["token_ids"]
+    assert all(x != y for x, y in zip(out["a"]["token_ids"], out["b"]["token_ids"], strict=True))
+    again = gen(dd, sampling=sampling, progress=False, include_token_ids=True)
+    assert again["a"]["token_ids"] == out["a"]["token_ids"]
+    assert again["b"]["token_ids"] == out["b"]["token_ids"]
+    alone = gen(same, sampling=sampling, progress=False, include_token_ids=True)
+    assert alone["token_ids"] not in (out["a"]["token_ids"], out["b"]["token_ids"])
+
+
 def test_n_samples_are_consecutive_rows(gen: Generator) -> None:
     ds = table().select(range(3))
     sampling = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=7, logprobs=2)
