@@ -24,8 +24,7 @@ from batchgen.errors import BatchgenError, JobStopped
 from batchgen.formats.base import FinalFiles
 from batchgen.heartbeat import Heartbeat, Progress, RankEnd, Stop, total
 from batchgen.io import OutputLayout
-from batchgen.io.atomic import write_json_atomic
-from batchgen.io.checkpoint import RankLock, scan_committed, writing_into
+from batchgen.io.checkpoint import RankLock, scan_committed
 from batchgen.io.object_lock import OutputLock, output_lock
 from batchgen.io.output_schema import RowCounts
 from batchgen.job import (
@@ -35,6 +34,7 @@ from batchgen.job import (
     run_pipeline,
     show_rates,
     write_results,
+    write_summary,
 )
 from batchgen.pipeline import Stats
 from batchgen.rank_start import Plan, Started, start_rank
@@ -215,8 +215,7 @@ def _end_on_rank0(
         done, started, len(after.indexes), after.counts, plan.resuming, beat.world, complete,
         files, phases,
     )  # fmt: skip
-    with writing_into(layout):
-        write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
+    write_summary(layout, summary)
     outcome = Outcome(summary, beat.stopped_by)
     beat.publish_outcome(outcome)
     return outcome

@@ -213,6 +213,12 @@ def result_settings(spec: JobSpec, engine: Engine | None) -> dict[str, Any]:
     return out
 
 
+def write_summary(layout: OutputLayout, summary: JobSummary) -> None:
+    """summary.json: the summary's fields in their order (a full disk: one line)."""
+    with writing_into(layout):
+        write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
+
+
 def load_engine(
     spec: JobSpec, data_parallel: bool = False, server: EngineServer | None = None
 ) -> Engine | EngineProcess:
@@ -389,8 +395,7 @@ def _run(
         # the job's own engine process: its phases, whole (startup_s has what was waited for)
         engine_startup_s=engine.engine_startup_s if "engine_process" in startup else {},
     )
-    with writing_into(layout):
-        write_json_atomic(layout.summary, summary.to_dict(), sort_keys=False)
+    write_summary(layout, summary)
     interrupted = stop.is_set() and not complete
     return JobResult(summary, interrupted, profile_file=None if profile is None else str(profile))
 

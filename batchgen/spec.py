@@ -357,14 +357,17 @@ def _untyped_value(item: str, raw: str, text: bool, exc: tomllib.TOMLDecodeError
     ) from exc
 
 
+def _field(section: str, name: str) -> dataclasses.Field | None:
+    """The field a section's key names, None for a key the section does not have."""
+    fields = (f for cls in SECTIONS.get(section, ()) for f in dataclasses.fields(cls))
+    return next((f for f in fields if f.name == name), None)
+
+
 def _takes_text(section: str, name: str) -> bool:
     """Whether the key's field is text (its annotation a str, not a list of them)."""
-    for cls in SECTIONS.get(section, ()):
-        for f in dataclasses.fields(cls):
-            if f.name == name:
-                kind = str(f.type)
-                return "str" in kind and not any(t in kind for t in ("tuple", "list", "["))
-    return False
+    f = _field(section, name)
+    kind = "" if f is None else str(f.type)
+    return "str" in kind and not any(t in kind for t in ("tuple", "list", "["))
 
 
 def _reason(exc: tomllib.TOMLDecodeError) -> str:
@@ -377,10 +380,7 @@ def spec_from_table(table: dict[str, Any]) -> JobSpec:
     if unknown:
         name = unknown[0]
         if not isinstance(table[name], dict):  # `key = value` written above any [section]
-            owners = [
-                section for section, classes in SECTIONS.items()
-                if any(f.name == name for c in classes for f in dataclasses.fields(c))
-            ]  # fmt: skip
+            owners = [section for section in SECTIONS if _field(section, name) is not None]
             where = f"it belongs under [{owners[0]}]" if owners else "keys belong under a section"
             raise BatchgenError(
                 f"{name} = {table[name]!r} is outside any [section]: {where} "
