@@ -140,7 +140,33 @@ def _load(
     return load_spec(job, list(sets), values, options)
 
 
-@click.group()
+class _OneLineErrors(click.Group):
+    """Click's own usage errors (an unknown option or command, a value out of range) as one
+    line, like every other error of the command line: what was wrong and where the help is."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+                exc.show()  # no command given: the help, as click shows it
+                sys.exit(exc.exit_code)
+            where = exc.ctx.command_path if exc.ctx is not None else "batchgen"
+            message = exc.format_message().rstrip(".")
+            click.echo(f"batchgen: error: {_one_line(message)} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"batchgen: error: {_one_line(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo(INTERRUPTED, err=True)
+            sys.exit(128 + signal.SIGINT)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors)
 def main() -> None:
     """Offline batch generation with a continuous-batching engine."""
     prepare_imports()  # before any command imports torch

@@ -292,6 +292,23 @@ def test_small_user_errors_are_one_line(tmp_path: Path, prompts: Path, monkeypat
         assert code == 2 and "set BATCHGEN_HOME to a writable folder" in output, output
 
 
+def test_usage_errors_are_one_line_naming_the_help() -> None:
+    """An unknown option or command and a value out of range are one line (exit 2) that says
+    what was wrong and which --help to read; no usage block."""
+    for args, line in (
+        (["run", "--temprature", "1"], "No such option '--temprature'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["run", "--gpus", "0"], "Invalid value for '--gpus': 0 is not in the range x>=1"),
+        (["model", "build-default", "--x"], "No such option '--x'"),
+    ):
+        code, output = invoke(*args)
+        assert code == 2 and output.count("\n") == 1, output
+        assert output.startswith("batchgen: error: ") and line in output, output
+        assert output.rstrip().endswith(" --help)"), output
+    code, output = invoke("run", "--help")
+    assert code == 0 and "Usage:" in output
+
+
 def test_validate_does_not_hash_the_input_for_a_new_output(tmp_path: Path, monkeypatch) -> None:
     """A fingerprint (a hash of every input file) matters only against an earlier run's: a
     check of a new output directory does not read a large input whole."""
