@@ -166,6 +166,28 @@ def test_chat_messages_and_bad_rows(gen: Generator) -> None:
     assert "logprobs" in out.column_names  # a sampling column may ask for them
 
 
+def test_a_chat_template_changed_between_calls_is_not_resumed(model_dir, tmp_path: Path) -> None:
+    """A caller's tokenizer whose chat template is set between two calls on one checkpoint_dir:
+    the second call refuses the rows rendered with the old template (no mixed results); without
+    a checkpoint it renders with the new one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir("llama"))
+    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "Hello there"}]}])
+    call = {"messages_column": "messages", "include_token_ids": True, "progress": False}
+    call["sampling"] = {"max_new_tokens": 2}
+    config = EngineConfig(device="cpu", max_num_seqs=4)
+    with Generator(model_dir("llama"), config, tokenizer=tok) as g:
+        g(ds, checkpoint_dir=tmp_path, **call)
+        tok.chat_template = "{% for m in messages %}NEW {{ m['content'] }}\n{% endfor %}NEW:"
+        with pytest.raises(BatchgenError, match=r"the model changed \(tokenizer differ\)"):
+            g(ds, checkpoint_dir=tmp_path, **call)
+        out = g(ds, **call)
+    assert (
+        tok.decode(out[0]["prompt_token_ids"], skip_special_tokens=True) == "NEW Hello there\nNEW:"
+    )
+
+
 def test_checkpoint_resumes_after_an_interruption(
     gen: Generator, expected, tmp_path: Path, monkeypatch
 ) -> None:

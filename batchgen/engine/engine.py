@@ -31,7 +31,7 @@ from batchgen.engine.call_inputs import (
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
-from batchgen.engine.fingerprint import model_fingerprint
+from batchgen.engine.fingerprint import model_fingerprint, tokenizer_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.graphs import step_target
 from batchgen.engine.model_loader import (
@@ -317,9 +317,10 @@ class Engine:
     @property
     def fingerprint(self) -> dict[str, str]:
         """What decides outputs besides the settings (model_fingerprint); for a caller's
-        model, that of its weights as they are now (a job resumes only on the same)."""
+        model and tokenizer, those as they are now (a job resumes only on the same): the chat
+        template a job renders its prompts with is the tokenizer's at the job's start."""
         self._drop_stale_prefixes()
-        return self._fingerprint
+        return {**self._fingerprint, **tokenizer_fingerprint(self.tokenizer)}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block, so later prompts compute their KV again: for a

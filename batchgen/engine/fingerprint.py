@@ -35,8 +35,7 @@ def model_fingerprint(
         "name": str(getattr(model, "name_or_path", "") or type(model).__name__),
         "config": _digest(json.dumps(_clean(model.config.to_dict()), sort_keys=True, default=str)),
         "weights_checksum": _weights_digest(model),
-        "tokenizer": _tokenizer_digest(tokenizer),
-        "tokenizer_settings": _tokenizer_settings_digest(tokenizer),
+        **tokenizer_fingerprint(tokenizer),
         "eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids)),
     }
     adapters = adapter_state(model)
@@ -166,6 +165,15 @@ def _multipliers(device: torch.device) -> torch.Tensor:
         x = (x ^ (x >> np.uint64(31))) | np.uint64(1)
         _MULTIPLIERS[key] = torch.from_numpy(x.view(np.int64)).to(device)
     return _MULTIPLIERS[key]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, str]:
+    """The tokenizer's part of model_fingerprint, as the tokenizer is now (a caller's tokenizer
+    can be changed between calls: its chat template set, tokens added)."""
+    return {
+        "tokenizer": _tokenizer_digest(tokenizer),
+        "tokenizer_settings": _tokenizer_settings_digest(tokenizer),
+    }
 
 
 def _tokenizer_digest(tokenizer: Any) -> str:
