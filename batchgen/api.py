@@ -207,7 +207,8 @@ class Generator:
             result = self._run(ds, spec, out_dir, checkpoint_dir is not None)
             with arrow_file(result) as f:
                 table = pq.read_table(f)
-        return _join(ds, table, columns, prefix)
+        with _datasets_bars(shown=not spec.pipeline.quiet):
+            return _join(ds, table, columns, prefix)
 
     def _stream(
         self, ds: Any, spec: JobSpec, checkpoint_dir: Any, columns: list[str], prefix: str
@@ -272,7 +273,10 @@ def generate(
     is dropped."""
     import datasets
 
-    gen = Generator(model, engine_config, tokenizer=tokenizer)
+    from batchgen.engine.model_loader import hf_progress_bars
+
+    with hf_progress_bars(shown=options.get("progress", True) is not False):
+        gen = Generator(model, engine_config, tokenizer=tokenizer)
     try:
         out = gen.generate(dataset, **options)
     except BaseException:
@@ -325,9 +329,14 @@ def _check_clash(names: list[str], columns: list[str], prefix: str) -> None:
     """Refuse input columns that an output column would overwrite."""
     clash = [prefix + c for c in columns if prefix + c in names]
     if clash:
+        free = next(
+            p for p in ("gen_", *(f"gen{i}_" for i in range(1, len(names) + 2)))
+            if not any(p + c in names for c in columns)
+        )  # fmt: skip
+        given = f" (output_prefix={prefix!r})" if prefix else ""
         raise BatchgenError(
-            f"the dataset already has a column {clash[0]!r}: pass output_prefix='gen_' "
-            "(or rename the column)"
+            f"the dataset already has a column {clash[0]!r}{given}: pass "
+            f"output_prefix={free!r} (or rename the column)"
         )
 
 
@@ -367,6 +376,22 @@ def _job_dir(checkpoint_dir: str | Path | None) -> Iterator[Path]:
 
 def _split_dir(checkpoint_dir: str | Path | None, split: str) -> Path | None:
     return None if checkpoint_dir is None else Path(checkpoint_dir) / split
+
+
+@contextlib.contextmanager
+def _datasets_bars(shown: bool) -> Iterator[None]:
+    """datasets' own progress bars (flattening a selected dataset's indices) off inside, where
+    progress=False; as they were after."""
+    import datasets
+
+    if shown or datasets.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:

@@ -188,6 +188,21 @@ def test_a_chat_template_changed_between_calls_is_not_resumed(model_dir, tmp_pat
     )
 
 
+def test_progress_false_prints_no_bar(model_dir, capfd) -> None:
+    """progress=False: no bar of batchgen's, of transformers' weight loading or of datasets'
+    flattening a shuffled dataset's indices; those libraries' own settings are kept."""
+    ds = table().shuffle(seed=0)
+    config, model = EngineConfig(device="cpu", max_num_seqs=4), model_dir("llama")
+    capfd.readouterr()
+    out = batchgen.generate(
+        ds, model=model, engine_config=config, sampling={"max_new_tokens": 2},
+        progress=False,
+    )  # fmt: skip
+    assert out["prompt"] == ds["prompt"]
+    assert "%|" not in capfd.readouterr().err
+    assert not datasets.are_progress_bars_disabled()
+
+
 def test_checkpoint_resumes_after_an_interruption(
     gen: Generator, expected, tmp_path: Path, monkeypatch
 ) -> None:
@@ -215,6 +230,9 @@ def test_user_errors_are_one_line(gen: Generator) -> None:
         progress=False,
     )
     assert out.column_names == ["text", *(f"gen_{c}" for c in OUTPUTS)]
+    clash = r"a column 'gen_sample_index' \(output_prefix='gen_'\): pass output_prefix='gen1_'"
+    with pytest.raises(BatchgenError, match=clash):  # a prefix that is free
+        gen(out, prompt_column="text", output_prefix="gen_")
     with pytest.raises(BatchgenError, match=r"unknown sampling field\(s\) \['temprature'\]"):
         gen(table(), sampling={"temprature": 1.0})
     with pytest.raises(BatchgenError, match="exactly one of"):
