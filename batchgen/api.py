@@ -72,6 +72,9 @@ class Generator:
         template: str | None = None,
         messages_column: str | None = None,
         system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         sampling: SamplingParams | dict[str, Any] | None = None,
         sampling_column: str | None = None,
         truncate: str = "error",
@@ -84,7 +87,9 @@ class Generator:
         """Generate for every row of `dataset` -> the same kind with output columns added.
 
         The prompt is one of prompt_column (default "prompt"), template ("Q: {question}") or
-        messages_column (chat messages); sampling is a SamplingParams or a dict of its fields;
+        messages_column (chat messages, rendered as vLLM's LLM.chat renders them: with
+        system_prompt, chat_template_kwargs, add_generation_prompt and
+        continue_final_message); sampling is a SamplingParams or a dict of its fields;
         sampling_column names a column of per-row overrides. Output columns (each prefixed by
         output_prefix): sample_index, text, finish_reason, num_prompt_tokens,
         num_generated_tokens, error; logprobs when sampling asks for them (or with
@@ -99,6 +104,9 @@ class Generator:
             "template": template,
             "messages_column": messages_column,
             "system_prompt": system_prompt,
+            "chat_template_kwargs": chat_template_kwargs,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
             "sampling_column": sampling_column,
             "truncate": truncate,
         }

@@ -16,6 +16,83 @@ from batchgen.json_text import parse_json
 PROMPT_SOURCES = ("column", "template", "messages_column")
 TRUNCATE = ("error", "left", "right")
 SYSTEM_ROLES = ("system", "developer")  # developer: OpenAI's newer name for the system role
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+# apply_chat_template's own arguments, which chat_template_kwargs may not set (the options
+# above have keys of their own; the rest would change what the call returns, not the prompt)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        *CHAT_OPTIONS,
+        "conversation",
+        "messages",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class ChatOptions(NamedTuple):
+    """How chat messages are rendered, as Hugging Face's apply_chat_template and vLLM's
+    LLM.chat take them: a new assistant turn opened after the messages, or the final message
+    continued (its turn left open: an assistant prefill), and extra variables for the chat
+    template (enable_thinking = false)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def checked(self) -> ChatOptions:
+        """self, or ValueError naming what is wrong."""
+        for name in CHAT_OPTIONS[:2]:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message = true continues the last message, and "
+                "add_generation_prompt = true opens a new assistant turn after it: set "
+                "add_generation_prompt = false with it"
+            )
+        kwargs = self.chat_template_kwargs
+        if kwargs is None:
+            return self
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(
+                "chat_template_kwargs must be an object of the chat template's variables "
+                f'({{"enable_thinking": false}}), not {type(kwargs).__name__}'
+            )
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            own = f" (give {reserved[0]} itself)" if reserved[0] in CHAT_OPTIONS else ""
+            raise ValueError(
+                f"chat_template_kwargs cannot set {reserved[0]!r}, an argument of the "
+                f"template call itself{own}: remove it"
+            )
+        return self
+
+    def replace(self, values: dict[str, Any]) -> ChatOptions:
+        """These options with a row's own values (None: not given) over them; its template
+        variables over these, key by key."""
+        given = {k: v for k, v in values.items() if k in CHAT_OPTIONS and v is not None}
+        if isinstance(given.get("chat_template_kwargs"), dict) and self.chat_template_kwargs:
+            given["chat_template_kwargs"] = {
+                **self.chat_template_kwargs,
+                **given["chat_template_kwargs"],
+            }
+        return self._replace(**given).checked() if given else self
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of apply_chat_template."""
+        out: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        out["add_generation_prompt"] = self.add_generation_prompt
+        if self.continue_final_message:  # left out otherwise: any transformers takes the call
+            out["continue_final_message"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -27,6 +104,11 @@ class PromptConfig:
     template: str | None = None  # a format string over columns: "Summarize: {article}"
     messages_column: str | None = None  # chat messages rendered with the tokenizer's template
     system_prompt: str | None = None  # prepended as a system message (chat messages only)
+    # how chat messages are rendered (ChatOptions): extra variables for the chat template,
+    # a new assistant turn opened after the messages, or the final message continued
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     id_column: str | None = None  # None = the row's position in the input
     max_new_tokens_column: str | None = None
     temperature_column: str | None = None
@@ -49,6 +131,7 @@ class PromptConfig:
         )
         if empty:
             raise ValueError(f"{empty[0]} is empty: give a column name (or leave it unset)")
+        self.chat_options.checked()
         if self.truncate not in TRUNCATE:
             raise ValueError(f"truncate={self.truncate!r} is not allowed: use one of {TRUNCATE}")
         per_row = (
@@ -66,6 +149,18 @@ class PromptConfig:
                 "same prompt and settings"
             )
         object.__setattr__(self, "passthrough", tuple(self.passthrough))
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs
+        )
+
+    def chat_options_given(self) -> list[str]:
+        """The chat options set to other than their defaults (chat messages only take them)."""
+        return [
+            name for name in CHAT_OPTIONS if getattr(self, name) != getattr(ChatOptions(), name)
+        ]
 
     @property
     def text_column(self) -> str | None:
@@ -175,8 +270,12 @@ class PromptBuilder:
         tokenizer: Any,
         max_prompt_tokens: int,
         sampling: SamplingParams,
+        chat_options_column: str | None = None,
     ) -> None:
         self.config = config
+        self.chat_options = config.chat_options
+        # a column of each row's own ChatOptions values over the config's (OpenAI Batch lines)
+        self.chat_options_column = chat_options_column
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens  # the context minus one generated token
         self.sampling = sampling  # the job's defaults, which per-row values override
@@ -280,8 +379,11 @@ class PromptBuilder:
             if cfg.system_prompt is not None and messages[0].get("role") not in SYSTEM_ROLES:
                 messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
             messages = [self._for_template(message) for message in messages]
-            text = self._chat_text(messages)
-            self._check_parts_rendered(messages, len(messages) - given, text)
+            options = self.chat_options
+            if self.chat_options_column is not None:
+                options = options.replace(values.get(self.chat_options_column) or {})
+            text = self._chat_text(messages, options)
+            self._check_parts_rendered(messages, len(messages) - given, text, options)
             return self._checked(text), False
         if cfg.template is not None:
             text = _fill(cfg.template, values)
@@ -295,17 +397,19 @@ class PromptBuilder:
             raise ValueError("prompt is empty")
         return self._checked(text), True
 
-    def _chat_text(self, messages: list[dict[str, Any]]) -> str:
+    def _chat_text(self, messages: list[dict[str, Any]], options: ChatOptions) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tokenize=False, **options.call_kwargs()
             )
         except Exception as exc:  # jinja errors on malformed messages
             raise ValueError(
                 f"chat template failed on column {self.config.messages_column!r}: {exc}"
             ) from exc
 
-    def _check_parts_rendered(self, messages: list[dict[str, Any]], first: int, text: str) -> None:
+    def _check_parts_rendered(
+        self, messages: list[dict[str, Any]], first: int, text: str, options: ChatOptions
+    ) -> None:
         """ValueError where the chat template left out a text part of a message of several
         (some templates read only a message's first part): the message would reach the model
         in part. Found by rendering the messages again with each part's text a marker of its
@@ -332,7 +436,7 @@ class PromptBuilder:
             )
         if not wanted:
             return
-        rendered = self._chat_text(marked)
+        rendered = self._chat_text(marked, options)
         for mark, (i, count, part) in wanted.items():
             if mark not in rendered:
                 raise ValueError(
@@ -445,12 +549,20 @@ def _params(base: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
 
 
 def _messages(value: Any, column: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
+    if isinstance(value, str):
         raise ValueError(
-            f"column {column!r} must hold a non-empty list of {{role, content}} messages"
+            f"column {column!r} holds text, not a list of {{role, content}} messages: if it is "
+            "JSON text, parse it into a list first"
+        )
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if value == [] else type(value).__name__
+        raise ValueError(
+            f"column {column!r} must hold a non-empty list of {{role, content}} messages, not {got}"
         )
     out = []
     for i, message in enumerate(value):
+        if _map_pairs(message):  # an Arrow map (map<string, string>, as Spark writes one)
+            message = dict(message)
         if not isinstance(message, dict):
             raise ValueError(
                 f"column {column!r} message {i} must be an object with a string role and its "
@@ -468,6 +580,13 @@ def _messages(value: Any, column: str) -> list[dict[str, Any]]:
         except ValueError as exc:
             raise ValueError(f"column {column!r} message {i}: {exc}") from exc
     return out
+
+
+def _map_pairs(value: Any) -> bool:
+    """Whether value is an Arrow map as pyarrow gives it: a list of (key, value) tuples."""
+    return isinstance(value, list) and all(
+        isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in value
+    )
 
 
 def chat_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -520,6 +639,8 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
     rendered as Python's repr of it by a template."""
     if isinstance(content, str):
         return content
+    if isinstance(content, list):  # OpenAI's other text parts, as vLLM reads them
+        content = [_as_text_part(p) for p in content]
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
@@ -538,6 +659,24 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
                 raise ValueError(f"content part {i} is a text part without a string 'text'")
     kind = "none" if content is None else type(content).__name__
     raise ValueError(f"content must be text or a list of text parts, not {kind}")
+
+
+# part type -> its text's key, for parts vLLM reads as text: OpenAI's assistant refusal, the
+# Responses API's input and output text, a reasoning model's thinking
+TEXT_PARTS = {
+    "refusal": "refusal",
+    "input_text": "text",
+    "output_text": "text",
+    "thinking": "thinking",
+}
+
+
+def _as_text_part(part: Any) -> Any:
+    """A part of TEXT_PARTS as a text part; any other part as it is."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str):
+        return {"type": "text", "text": part[TEXT_PARTS[kind]]}
+    return part
 
 
 def _joined(message: dict[str, Any]) -> dict[str, Any]:

@@ -166,6 +166,23 @@ def test_chat_messages_and_bad_rows(gen: Generator) -> None:
     assert "logprobs" in out.column_names  # a sampling column may ask for them
 
 
+def test_chat_rendering_options_as_in_vllms_chat(gen: Generator) -> None:
+    """continue_final_message (with add_generation_prompt=False) and chat_template_kwargs
+    render as Hugging Face renders them; with a prompt column they are refused."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, it"}]
+    ds = datasets.Dataset.from_list([{"messages": turns}])
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    out = gen(
+        ds, messages_column="messages", include_token_ids=True, progress=False,
+        sampling={"max_new_tokens": 2}, chat_template_kwargs={"style": "terse"}, **options,
+    )  # fmt: skip
+    tok = gen.engine.tokenizer
+    text = tok.apply_chat_template(turns, tokenize=False, **options)
+    assert out[0]["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+    with pytest.raises(BatchgenError, match="continue_final_message apply to chat messages"):
+        gen(table(), **options)
+
+
 def test_a_chat_template_changed_between_calls_is_not_resumed(model_dir, tmp_path: Path) -> None:
     """A caller's tokenizer whose chat template is set between two calls on one checkpoint_dir:
     the second call refuses the rows rendered with the old template (no mixed results); without

@@ -385,7 +385,7 @@ def test_chat_messages_with_system_prompt(model_dir, tmp_path: Path) -> None:
     )
     assert ok["prompt_token_ids"] == engine.tokenizer(rendered, add_special_tokens=False).input_ids
     assert ok["prompt_token_ids"].count(engine.tokenizer.bos_token_id) == 1
-    assert "must hold a non-empty list" in bad["error"]
+    assert "holds text, not a list of {role, content} messages" in bad["error"]
 
 
 @pytest.mark.parametrize("role", ["system", "developer"])
@@ -746,6 +746,75 @@ def test_chat_content_as_text_parts_is_joined_and_other_content_is_an_error_row(
     assert "message 0: content must be text or a list of text parts, not none" in empty.error
     assert "content part 0 is a 'image_url' part: batchgen runs text models" in image.error
     assert image.prompt_ids is None
+
+
+def test_chat_rendering_options_reach_the_template_as_in_vllms_chat(
+    model_dir, tmp_path: Path
+) -> None:
+    """prompt.continue_final_message (with add_generation_prompt = false) continues a final
+    assistant message, and chat_template_kwargs reach the template, as Hugging Face renders
+    them; options a template call cannot take, or a job without chat messages, are refused
+    before any row; a rerun with other options does not resume the rows."""
+    from transformers import AutoTokenizer
+
+    model = model_dir("llama")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, it"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"m": turns}])
+    chat = ("prompt.messages_column='m'", "output.include_token_ids=true")
+    options = ("prompt.continue_final_message=true", "prompt.add_generation_prompt=false")
+    options += ("prompt.chat_template_kwargs={style='terse'}",)
+    spec = spec_for(model, inp, tmp_path / "out", *chat, *options, "sampling.max_new_tokens=2")
+    assert run_job(spec).complete
+    (row,) = read_rows(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = tokenizer.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("assistant\nSure, it")
+    assert row["prompt_token_ids"] == tokenizer(text, add_special_tokens=False).input_ids
+    again = spec_for(model, inp, tmp_path / "out", *chat, "sampling.max_new_tokens=2")
+    with pytest.raises(BatchgenError, match=r"setting prompt\.add_generation_prompt changed"):
+        run_job(again)
+    with pytest.raises(BatchgenError, match="set add_generation_prompt = false with it"):
+        spec_for(model, inp, tmp_path / "o2", *chat, options[0])
+    with pytest.raises(BatchgenError, match="cannot set 'tokenize', an argument of the template"):
+        spec_for(model, inp, tmp_path / "o2", *chat, "prompt.chat_template_kwargs={tokenize=1}")
+    plain = spec_for(model, inp, tmp_path / "o3", "prompt.column='m'", options[2])
+    with pytest.raises(BatchgenError, match="chat_template_kwargs applies to chat messages"):
+        run_job(plain)
+
+
+def test_messages_as_arrow_maps_run_and_messages_as_text_are_refused(
+    model_dir, tmp_path: Path
+) -> None:
+    """Messages stored as Arrow maps (list<map<string, string>>, as Spark writes them) render
+    as the same messages stored as structs; a messages column of text is refused before any
+    row (Parquet) or is an error row saying it holds text (a JSON line)."""
+    model = model_dir("llama")
+    turns = [[("role", "user"), ("content", "Hi")], [("role", "assistant"), ("content", "ok")]]
+    turns.append([("role", "user"), ("content", "More")])
+    as_maps = pa.array([turns], type=pa.list_(pa.map_(pa.string(), pa.string())))
+    as_structs = pa.array([[dict(m) for m in turns]])
+    sets = ("prompt.messages_column='m'", "output.include_token_ids=true")
+    ids = []
+    for name, column in (("maps", as_maps), ("structs", as_structs)):
+        pq.write_table(pa.table({"m": column}), tmp_path / f"{name}.parquet")
+        spec = spec_for(model, tmp_path / f"{name}.parquet", tmp_path / name, *sets)
+        assert run_job(spec).complete
+        (row,) = read_rows(tmp_path / name)
+        assert row["error"] is None
+        ids.append(row["prompt_token_ids"])
+    assert ids[0] == ids[1]
+    pq.write_table(pa.table({"m": [json.dumps([dict(m) for m in turns])]}), tmp_path / "t.parquet")
+    with pytest.raises(BatchgenError, match=r"'m' holds text, not lists of \{role, content\}"):
+        run_job(spec_for(model, tmp_path / "t.parquet", tmp_path / "t", *sets))
+    assert not (tmp_path / "t").exists()
+    inp = write_jsonl(
+        tmp_path / "t.jsonl", [{"m": json.dumps([{"role": "user", "content": "Hi"}])}]
+    )
+    assert run_job(spec_for(model, inp, tmp_path / "j", *sets)).complete
+    (row,) = read_rows(tmp_path / "j")
+    assert "column 'm' holds text, not a list of {role, content} messages" in row["error"]
 
 
 PARTS_STYLE = (  # loops over a message's content parts itself, as Llama 4's and Gemma 3's do

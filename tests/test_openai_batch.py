@@ -815,3 +815,62 @@ def test_text_parts_follow_the_templates_content_format_as_in_job_rows(model: Pa
         assert line.prompt_ids == rows.build(0, {"m": messages}).prompt_ids
         text = tokenizer.decode(line.prompt_ids)
         assert ("[Look:][What?]" if template else "Look:\nWhat?") in text
+
+
+THINKING_STYLE = (  # reads a template variable, as Qwen3's enable_thinking
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_a_chat_lines_rendering_fields_are_vllms(model: Path) -> None:
+    """vLLM's chat fields: chat_template_kwargs (over the job's, key by key),
+    add_generation_prompt and continue_final_message render as Hugging Face renders them;
+    continue_final_message without add_generation_prompt: false is an invalid_value line, as
+    vLLM answers it; a refusal part is text. None of them on a completion line."""
+    from batchgen.prompts import PromptBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = THINKING_STYLE
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, it"}]
+    job = PromptConfig(chat_template_kwargs={"enable_thinking": True, "style": "terse"})
+    builder = RequestBuilder(job, tokenizer, 500, SamplingParams(), ())
+
+    def ids(**kwargs: Any) -> list[int]:
+        text = tokenizer.apply_chat_template(prefill, tokenize=False, **kwargs)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    cases = [
+        ({}, ids(add_generation_prompt=True, enable_thinking=True)),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, ids(add_generation_prompt=True,
+                                                                    enable_thinking=False)),
+        ({"add_generation_prompt": False}, ids(add_generation_prompt=False)),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            ids(add_generation_prompt=False, continue_final_message=True),
+        ),
+    ]  # fmt: skip
+    for i, (fields, want) in enumerate(cases):
+        line = parse_request(request(str(i), messages=prefill, **fields), None, i + 1)
+        built = builder.build(i, line)
+        assert built.error is None and built.prompt_ids == want, (fields, built.error)
+    assert tokenizer.decode(cases[3][1]).endswith("assistant\nSure, it")
+    assert "<think></think>" in tokenizer.decode(cases[1][1])
+    both = parse_request(request("x", messages=prefill, continue_final_message=True), None, 9)
+    assert both["error_code"] == "invalid_value"
+    assert "set add_generation_prompt = false with it" in both["error_message"]
+    reserved = parse_request(request("y", chat_template_kwargs={"tokenize": True}), None, 10)
+    assert reserved["error_code"] == "invalid_value"
+    assert reserved["error_param"] == "chat_template_kwargs"
+    text_line = parse_request(request("z", COMPLETIONS, add_generation_prompt=True), None, 11)
+    assert text_line["error_code"] == "unknown_parameter"
+    refusal = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "Please?"}]  # fmt: skip
+    as_text = [*refusal[:1], {"role": "assistant", "content": "No."}, *refusal[2:]]
+    line = builder.build(0, parse_request(request("r", messages=refusal), None, 12))
+    rows = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
+    assert line.error is None and line.prompt_ids == rows.build(0, {"m": as_text}).prompt_ids
+    assert "assistant\nNo.<|im_end|>" in tokenizer.decode(line.prompt_ids)

@@ -39,6 +39,13 @@ class RowsFormat:
                 "prompt.system_prompt applies to chat messages (prompt.messages_column) only: "
                 "remove it, or put the text into prompt.template"
             )
+        chat_only = spec.prompt.chat_options_given()
+        if chat_only and spec.prompt.messages_column is None:
+            named = " and ".join(f"prompt.{name}" for name in chat_only)
+            verb, it = ("applies", "it") if len(chat_only) == 1 else ("apply", "them")
+            raise BatchgenError(
+                f"{named} {verb} to chat messages (prompt.messages_column) only: remove {it}"
+            )
 
     def open(self, spec: JobSpec) -> InputSource:
         return open_input(spec.input)
@@ -51,6 +58,7 @@ class RowsFormat:
 
     def check_columns(self, spec: JobSpec, source: InputSource) -> None:
         _check_schema_types(spec, source)
+        _check_messages_type(spec, source)
         _check_parquet_types(spec, source)
         check_exact(source.types, spec.prompt.columns_used(), source.nanosecond_times)
         if source.columns is None:
@@ -118,6 +126,19 @@ def _check_parquet_types(spec: JobSpec, source: InputSource) -> None:
                 '(an object without fields): set output.format = "jsonl", or leave the '
                 "column out of prompt.passthrough"
             )
+
+
+def _check_messages_type(spec: JobSpec, source: InputSource) -> None:
+    """A messages column typed as text (JSON text of messages, say) would make every row an
+    error row: refused before any."""
+    column = spec.prompt.messages_column
+    kind = source.types.get(column) if column is not None else None
+    if kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise BatchgenError(
+            f"prompt.messages_column {column!r} holds text, not lists of {{role, content}} "
+            "messages: if it is JSON text, parse it into a list column first (or use "
+            "prompt.column for plain text)"
+        )
 
 
 def _check_schema_types(spec: JobSpec, source: InputSource) -> None:

@@ -35,7 +35,12 @@ IDENTITY_PARTS = ("settings", "input", "model")
 GENERATION_DEFAULTS = "model.generation_defaults"  # the model's sampling values a job takes
 # settings an earlier batchgen did not record, with the value they then had: an identity
 # without one is the same job where the setting still has that value
-UNRECORDED_SETTINGS: dict[str, Any] = {GENERATION_DEFAULTS: {}}
+UNRECORDED_SETTINGS: dict[str, Any] = {
+    GENERATION_DEFAULTS: {},
+    "prompt.chat_template_kwargs": None,
+    "prompt.add_generation_prompt": True,
+    "prompt.continue_final_message": False,
+}
 Key = tuple[int, int]  # (input index, sample index)
 
 

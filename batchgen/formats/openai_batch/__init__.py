@@ -19,7 +19,7 @@ from batchgen.formats.openai_batch.requests import ID_COLUMN, PASSTHROUGH_TYPES
 from batchgen.formats.openai_batch.results import line_error, write_openai_results
 from batchgen.io import InputSource, OutputLayout
 from batchgen.io.readers import OPENAI_BATCH
-from batchgen.prompts import PromptConfig
+from batchgen.prompts import CHAT_OPTIONS, PromptConfig
 from batchgen.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
@@ -29,16 +29,20 @@ if TYPE_CHECKING:
 
 class OpenAIBatchFormat:
     def check(self, spec: JobSpec) -> None:
-        """Only system_prompt and truncate apply: each line's body says where its prompt is."""
+        """Only PROMPT_KEYS apply: each line's body says where its prompt is."""
         default = PromptConfig()
         for field in dataclasses.fields(spec.prompt):
             if field.name in PROMPT_KEYS:
                 continue
             if getattr(spec.prompt, field.name) != getattr(default, field.name):
+                where = (
+                    "a chat line's body sets it"
+                    if field.name in CHAT_OPTIONS
+                    else "each line's body holds its prompt"
+                )
                 raise BatchgenError(
-                    f"[prompt] {field.name} does not apply to {OPENAI_BATCH} input (each "
-                    f"line's body holds its prompt): remove it; only "
-                    f"{' and '.join(PROMPT_KEYS)} apply"
+                    f"[prompt] {field.name} does not apply to {OPENAI_BATCH} input ({where}): "
+                    f"remove it; only {', '.join(PROMPT_KEYS)} apply"
                 )
 
     def open(self, spec: JobSpec) -> InputSource:

@@ -10,6 +10,7 @@ from typing import Any
 from batchgen.engine.model_path import prompt_over_context
 from batchgen.engine.sampling_params import STRUCTURED, SamplingParams
 from batchgen.formats.openai_batch.requests import (
+    CHAT_OPTIONS_COLUMN,
     FIELDS_COLUMN,
     ID_COLUMN,
     PASSTHROUGH,
@@ -17,7 +18,9 @@ from batchgen.formats.openai_batch.requests import (
 )
 from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
-PROMPT_KEYS = ("system_prompt", "truncate")  # the [prompt] keys that apply to these files
+# the [prompt] keys that apply to these files (chat_template_kwargs: the default of chat lines,
+# whose own keys win)
+PROMPT_KEYS = ("system_prompt", "truncate", "chat_template_kwargs")
 
 
 class RequestBuilder:
@@ -46,8 +49,13 @@ class RequestBuilder:
         self.job_off = {k: off[k] for k in self.job_format}  # the job's setting, turned off
         args = (tokenizer, max_prompt_tokens, sampling.replace(**off))
         self.system_prompt = config.system_prompt  # chat requests only: a completion is refused
-        chat = PromptConfig(messages_column="messages", system_prompt=self.system_prompt, **common)
-        self.chat = PromptBuilder(chat, *args)
+        chat = PromptConfig(
+            messages_column="messages",
+            system_prompt=self.system_prompt,
+            chat_template_kwargs=config.chat_template_kwargs,
+            **common,
+        )
+        self.chat = PromptBuilder(chat, *args, chat_options_column=CHAT_OPTIONS_COLUMN)
         self.text = PromptBuilder(PromptConfig(column="prompt", **common), *args)
 
     def build(self, index: int, values: dict[str, Any]) -> RowPrompt:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.engine.sampling_params import MAX_TOKENS, SamplingParams
-from batchgen.prompts import chat_message
+from batchgen.prompts import CHAT_OPTIONS, ChatOptions, chat_message
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -29,7 +29,9 @@ PASSTHROUGH_TYPES = {"url": "string", "model": "string", "line": "int64"} | dict
 PASSTHROUGH = tuple(PASSTHROUGH_TYPES)
 # SamplingParams field -> the body field of the line that gave it, named in the line's errors
 FIELDS_COLUMN = "body_fields"
+CHAT_OPTIONS_COLUMN = "chat_options"  # a chat line's own ChatOptions values (vLLM's fields)
 COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, FIELDS_COLUMN, "error_message")
+COLUMNS += (CHAT_OPTIONS_COLUMN,)
 COLUMNS += PASSTHROUGH
 
 # body field -> SamplingParams field, where the meaning is the same (OpenAI's, then vLLM's)
@@ -90,6 +92,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice")  # vLLM's structured o
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
 RESPONSE_FORMAT = "response_format"  # text, json_object or json_schema (structured outputs)
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_ONLY |= set(CHAT_OPTIONS)  # vLLM's: how the messages are rendered
 CHAT_ONLY |= {"functions", "function_call", "response_format", "modalities"}
 CHAT_ONLY |= {"parallel_tool_calls", "store", "metadata", "service_tier"}
 COMPLETIONS_ONLY = {"prompt", "echo", "suffix", "best_of"}
@@ -159,7 +162,7 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     wrong = CHAT_ONLY if url == COMPLETIONS_URL else COMPLETIONS_ONLY
     for field, value in body.items():
         known = field in SAMPLING_FIELDS or field in HARMLESS or field in LOGPROB_FIELDS
-        known = known or field == RESPONSE_FORMAT
+        known = known or field == RESPONSE_FORMAT or field in CHAT_OPTIONS
         if field in wrong or not (known or field in ("model", "messages", "prompt")):
             raise RequestError(
                 "unknown_parameter", f"unknown or unsupported body field {field!r} for {url}", field
@@ -179,6 +182,7 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model, SAMPLING_COLUMN: sampling, FIELDS_COLUMN: fields}
     if url == CHAT_URL:
         out["messages"] = _messages(body.get("messages"))
+        out[CHAT_OPTIONS_COLUMN] = _chat_options(body)
     else:
         out["prompt"] = _prompt(body.get("prompt"))
     return out
@@ -310,6 +314,20 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         except ValueError as exc:
             raise RequestError("invalid_value", f"message {i}: {exc}", "messages") from exc
     return out
+
+
+def _chat_options(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A chat line's own rendering options (None: the job's), checked as vLLM checks them:
+    continue_final_message needs add_generation_prompt: false."""
+    given = {k: body[k] for k in CHAT_OPTIONS if body.get(k) is not None}
+    if not given:
+        return None
+    try:
+        ChatOptions(**given).checked()
+    except ValueError as exc:
+        param = next((k for k in CHAT_OPTIONS if k in str(exc)), CHAT_OPTIONS[0])
+        raise RequestError("invalid_value", str(exc), param) from exc
+    return given
 
 
 def _prompt(value: Any) -> str:
