@@ -37,6 +37,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+class ChatOptionError(ValueError):
+    """A chat option's value that cannot render; field: the option at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class ChatOptions(NamedTuple):
     """How chat messages are rendered, as Hugging Face's apply_chat_template and vLLM's
     LLM.chat take them: a new assistant turn opened after the messages, or the final message
@@ -47,31 +55,37 @@ class ChatOptions(NamedTuple):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def checked(self) -> ChatOptions:
-        """self, or ValueError naming what is wrong."""
+    def checked(self, together: bool = True) -> ChatOptions:
+        """self, or ChatOptionError naming what is wrong; together: with the rule between
+        the two flags (a job's [prompt] checks it where its input's format is known)."""
         for name in CHAT_OPTIONS[:2]:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError(
+                raise ChatOptionError(
+                    name, f"{name} must be true or false, not {getattr(self, name)!r}"
+                )
+        if together and self.add_generation_prompt and self.continue_final_message:
+            raise ChatOptionError(
+                "continue_final_message",
                 "continue_final_message = true continues the last message, and "
                 "add_generation_prompt = true opens a new assistant turn after it: set "
-                "add_generation_prompt = false with it"
+                "add_generation_prompt = false with it",
             )
         kwargs = self.chat_template_kwargs
         if kwargs is None:
             return self
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise ValueError(
+            raise ChatOptionError(
+                "chat_template_kwargs",
                 "chat_template_kwargs must be an object of the chat template's variables "
-                f'({{"enable_thinking": false}}), not {type(kwargs).__name__}'
+                f'({{"enable_thinking": false}}), not {type(kwargs).__name__}',
             )
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
             own = f" (give {reserved[0]} itself)" if reserved[0] in CHAT_OPTIONS else ""
-            raise ValueError(
+            raise ChatOptionError(
+                "chat_template_kwargs",
                 f"chat_template_kwargs cannot set {reserved[0]!r}, an argument of the "
-                f"template call itself{own}: remove it"
+                f"template call itself{own}: remove it",
             )
         return self
 
@@ -131,7 +145,7 @@ class PromptConfig:
         )
         if empty:
             raise ValueError(f"{empty[0]} is empty: give a column name (or leave it unset)")
-        self.chat_options.checked()
+        self.chat_options.checked(together=False)  # the input's format may not take them
         if self.truncate not in TRUNCATE:
             raise ValueError(f"truncate={self.truncate!r} is not allowed: use one of {TRUNCATE}")
         per_row = (
@@ -649,6 +663,10 @@ def message_content(content: Any) -> str | list[dict[str, str]]:
     if isinstance(content, list):
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind in TEXT_PARTS:
+                raise ValueError(
+                    f"content part {i} is a {kind!r} part without a string {TEXT_PARTS[kind]!r}"
+                )
             if kind != "text":
                 what = f"a {kind!r} part" if isinstance(kind, str) else "not a typed part"
                 raise ValueError(

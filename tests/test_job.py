@@ -776,7 +776,8 @@ def test_chat_rendering_options_reach_the_template_as_in_vllms_chat(
     with pytest.raises(BatchgenError, match=r"setting prompt\.add_generation_prompt changed"):
         run_job(again)
     with pytest.raises(BatchgenError, match="set add_generation_prompt = false with it"):
-        spec_for(model, inp, tmp_path / "o2", *chat, options[0])
+        run_job(spec_for(model, inp, tmp_path / "o2", *chat, options[0]))
+    assert not (tmp_path / "o2").exists()
     with pytest.raises(BatchgenError, match="cannot set 'tokenize', an argument of the template"):
         spec_for(model, inp, tmp_path / "o2", *chat, "prompt.chat_template_kwargs={tokenize=1}")
     plain = spec_for(model, inp, tmp_path / "o3", "prompt.column='m'", options[2])

@@ -857,11 +857,21 @@ def test_a_chat_lines_rendering_fields_are_vllms(model: Path) -> None:
         built = builder.build(i, line)
         assert built.error is None and built.prompt_ids == want, (fields, built.error)
     assert tokenizer.decode(cases[3][1]).endswith("assistant\nSure, it")
+    failing = parse_request(request("f", messages=prefill, chat_template_kwargs={"n": 1}), None, 8)
+    tokenizer.chat_template = "{{ 'x' + n }}"  # the template itself fails on the line
+    failed = RequestBuilder(job, tokenizer, 500, SamplingParams(), ()).build(0, failing)
+    assert failed.error.startswith("chat template failed on the request's messages: ")
+    assert (failed.passthrough["error_code"], failed.passthrough["error_param"]) == (
+        "invalid_value", "messages"
+    )  # fmt: skip
+    tokenizer.chat_template = THINKING_STYLE
     assert "<think></think>" in tokenizer.decode(cases[1][1])
     both = parse_request(request("x", messages=prefill, continue_final_message=True), None, 9)
     assert both["error_code"] == "invalid_value"
     assert "set add_generation_prompt = false with it" in both["error_message"]
-    reserved = parse_request(request("y", chat_template_kwargs={"tokenize": True}), None, 10)
+    reserved = parse_request(
+        request("y", chat_template_kwargs={"add_generation_prompt": False}), None, 10
+    )
     assert reserved["error_code"] == "invalid_value"
     assert reserved["error_param"] == "chat_template_kwargs"
     text_line = parse_request(request("z", COMPLETIONS, add_generation_prompt=True), None, 11)
@@ -873,4 +883,26 @@ def test_a_chat_lines_rendering_fields_are_vllms(model: Path) -> None:
     line = builder.build(0, parse_request(request("r", messages=refusal), None, 12))
     rows = PromptBuilder(PromptConfig(messages_column="m"), tokenizer, 500, SamplingParams())
     assert line.error is None and line.prompt_ids == rows.build(0, {"m": as_text}).prompt_ids
+    no_text = [refusal[0], {"role": "assistant", "content": [{"type": "refusal"}]}]
+    bad = parse_request(request("s", messages=no_text), None, 13)
+    assert (
+        bad["error_message"]
+        == "message 1: content part 0 is a 'refusal' part without a string 'refusal'"
+    )
     assert "assistant\nNo.<|im_end|>" in tokenizer.decode(line.prompt_ids)
+
+
+def test_a_bad_value_is_named_as_the_line_gave_it() -> None:
+    """A value out of range names the body's field and its value as JSON writes it, not the
+    engine's field or Python's repr."""
+    for body, message in (
+        ({"max_tokens": 0}, "max_tokens=0 must be an integer in [1, "),
+        ({"max_completion_tokens": 0}, "max_completion_tokens=0 must be an integer in [1, "),
+        ({"stop": [""]}, 'stop=[""] must be a string or a list of at most 64 non-empty'),
+    ):
+        line = parse_request(request("a", **body), None, 1)
+        assert line["error_code"] == "invalid_value" and line["error_message"].startswith(message)
+        assert (
+            line["error_param"] == next(iter(body))
+            and "max_new_tokens" not in line["error_message"]
+        )

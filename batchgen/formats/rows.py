@@ -46,6 +46,10 @@ class RowsFormat:
             raise BatchgenError(
                 f"{named} {verb} to chat messages (prompt.messages_column) only: remove {it}"
             )
+        try:
+            spec.prompt.chat_options.checked()
+        except ValueError as exc:
+            raise BatchgenError(f"[prompt] {exc}") from None
 
     def open(self, spec: JobSpec) -> InputSource:
         return open_input(spec.input)

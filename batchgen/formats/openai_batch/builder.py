@@ -13,8 +13,11 @@ from batchgen.formats.openai_batch.requests import (
     CHAT_OPTIONS_COLUMN,
     FIELDS_COLUMN,
     ID_COLUMN,
+    MESSAGES,
     PASSTHROUGH,
     SAMPLING_COLUMN,
+    field_pattern,
+    in_body_terms,
 )
 from batchgen.prompts import PromptBuilder, PromptConfig, RowPrompt, writable
 
@@ -50,7 +53,7 @@ class RequestBuilder:
         args = (tokenizer, max_prompt_tokens, sampling.replace(**off))
         self.system_prompt = config.system_prompt  # chat requests only: a completion is refused
         chat = PromptConfig(
-            messages_column="messages",
+            messages_column=MESSAGES,
             system_prompt=self.system_prompt,
             chat_template_kwargs=config.chat_template_kwargs,
             **common,
@@ -70,14 +73,15 @@ class RequestBuilder:
             todo = [
                 i
                 for i, (_, values) in enumerate(rows)
-                if out[i] is None and (values.get("messages") is not None) is chat
+                if out[i] is None and (values.get(MESSAGES) is not None) is chat
             ]
             for i, built in zip(todo, builder.build_many([rows[i] for i in todo]), strict=True):
                 off = prepared[i][1]
                 if off and built.prompt_ids is not None:  # the engine's base is the job's
                     built = built._replace(overrides={**off, **built.overrides})
                 fields = rows[i][1].get(FIELDS_COLUMN) or {}
-                out[i] = self._within_context(_in_body_terms(built, fields), fields)
+                built = _in_body_terms(built, fields)
+                out[i] = self._within_context(_messages_in_body_terms(built), fields)
         return out
 
     def _prepare(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,7 +129,7 @@ class RequestBuilder:
         """The row of a line that cannot run (bad line, model not served), else None."""
         model = values.get("model")
         unserved = model is not None and model not in self.served_names
-        completion = values.get("messages") is None
+        completion = values.get(MESSAGES) is None
         if values.get("error_code") is None and completion and self.system_prompt is not None:
             values = {
                 **values,
@@ -156,6 +160,17 @@ class RequestBuilder:
         return None
 
 
+def _messages_in_body_terms(row: RowPrompt) -> RowPrompt:
+    """A chat line's error about its messages (the chat template failed on them) naming the
+    body's messages, not the column they are read from, with messages as its param."""
+    column = f"column {MESSAGES!r}"
+    if row.error is None or row.passthrough.get("error_code") or column not in row.error:
+        return row
+    passthrough = {**row.passthrough, "error_code": "invalid_value", "error_param": MESSAGES}
+    return row._replace(error=row.error.replace(column, "the request's messages"),
+                        passthrough=passthrough)  # fmt: skip
+
+
 def _in_body_terms(row: RowPrompt, fields: dict[str, str]) -> RowPrompt:
     """A line's error about its own sampling values (a rule between two of them, or with the
     job's, or with its prompt: met where they meet) in the line's terms: each SamplingParams
@@ -166,21 +181,13 @@ def _in_body_terms(row: RowPrompt, fields: dict[str, str]) -> RowPrompt:
     found = sorted(
         (match.start(), field)
         for field in fields
-        if (match := re.search(_field_pattern(field), row.error)) is not None
+        if (match := re.search(field_pattern(field), row.error)) is not None
     )
     if not found:
         return row
-    message = row.error
-    for _, field in found:
-        message = re.sub(_field_pattern(field), fields[field], message)
     first = fields[found[0][1]]
     passthrough = {**row.passthrough, "error_code": "invalid_value", "error_param": first}
-    return row._replace(error=message, passthrough=passthrough)
-
-
-def _field_pattern(field: str) -> str:
-    """field as a word of its own, not part of a dotted key (the job's sampling.max_new_tokens)."""
-    return rf"(?<![\w.]){re.escape(field)}(?!\w)"
+    return row._replace(error=in_body_terms(row.error, fields), passthrough=passthrough)
 
 
 def _writable_value(value: Any) -> Any:

@@ -11,10 +11,12 @@ strings: put into the job's sampling when its spec is read) and otherwise batchg
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from batchgen.engine.sampling_params import MAX_TOKENS, SamplingParams
-from batchgen.prompts import CHAT_OPTIONS, ChatOptions, chat_message
+from batchgen.prompts import CHAT_OPTIONS, ChatOptionError, ChatOptions, chat_message
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -30,7 +32,8 @@ PASSTHROUGH = tuple(PASSTHROUGH_TYPES)
 # SamplingParams field -> the body field of the line that gave it, named in the line's errors
 FIELDS_COLUMN = "body_fields"
 CHAT_OPTIONS_COLUMN = "chat_options"  # a chat line's own ChatOptions values (vLLM's fields)
-COLUMNS = (ID_COLUMN, "messages", "prompt", SAMPLING_COLUMN, FIELDS_COLUMN, "error_message")
+MESSAGES = "messages"  # a chat line's messages, as the body names them
+COLUMNS = (ID_COLUMN, MESSAGES, "prompt", SAMPLING_COLUMN, FIELDS_COLUMN, "error_message")
 COLUMNS += (CHAT_OPTIONS_COLUMN,)
 COLUMNS += PASSTHROUGH
 
@@ -181,7 +184,7 @@ def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
     sampling, fields = _sampling(url, body)
     out: dict[str, Any] = {"model": model, SAMPLING_COLUMN: sampling, FIELDS_COLUMN: fields}
     if url == CHAT_URL:
-        out["messages"] = _messages(body.get("messages"))
+        out[MESSAGES] = _messages(body.get(MESSAGES))
         out[CHAT_OPTIONS_COLUMN] = _chat_options(body)
     else:
         out["prompt"] = _prompt(body.get("prompt"))
@@ -287,6 +290,19 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
     return (top or 0) if value else None
 
 
+def field_pattern(field: str) -> str:
+    """field as a word of its own, not part of a dotted key (the job's sampling.max_new_tokens)."""
+    return rf"(?<![\w.]){re.escape(field)}(?!\w)"
+
+
+def in_body_terms(message: str, names: dict[str, str]) -> str:
+    """message with each SamplingParams field of names (field -> the body field it came
+    from) named by its body field."""
+    for field, key in names.items():
+        message = re.sub(field_pattern(field), key, message)
+    return message
+
+
 def _check_value(key: str, field: str, value: Any) -> None:
     """One field's value alone; rules between fields (min_tokens <= max_tokens) are checked
     where the line's values meet the job's (prompts.PromptBuilder)."""
@@ -296,8 +312,10 @@ def _check_value(key: str, field: str, value: Any) -> None:
     try:
         SamplingParams(**alone)
     except (ValueError, TypeError) as exc:
-        message = str(exc) if key == field else f"{key}: {exc}"
-        raise RequestError("invalid_value", message, key) from exc
+        message = str(exc)
+        if isinstance(value, tuple):  # the line gave a list: written as JSON writes it
+            message = message.replace(f"{field}={value!r}", f"{field}={json.dumps(list(value))}")
+        raise RequestError("invalid_value", in_body_terms(message, {field: key}), key) from exc
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -324,9 +342,8 @@ def _chat_options(body: dict[str, Any]) -> dict[str, Any] | None:
         return None
     try:
         ChatOptions(**given).checked()
-    except ValueError as exc:
-        param = next((k for k in CHAT_OPTIONS if k in str(exc)), CHAT_OPTIONS[0])
-        raise RequestError("invalid_value", str(exc), param) from exc
+    except ChatOptionError as exc:
+        raise RequestError("invalid_value", str(exc), exc.field) from exc
     return given
 
 
