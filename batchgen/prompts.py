@@ -8,7 +8,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from batchgen.content_format import ContentFormat, content_format, knows_developer
-from batchgen.engine.prompt_text import check_one_bos, check_unicode, two_bos
+from batchgen.engine.prompt_text import (
+    check_one_bos,
+    check_unicode,
+    keeps_every_character,
+    two_bos,
+)
 from batchgen.engine.sampling_params import SamplingParams, resolve_aliases
 from batchgen.errors import first_line
 from batchgen.json_text import parse_json
@@ -296,10 +301,14 @@ class PromptBuilder:
         self.short_prompt_chars = CHAR_SLACK * max_prompt_tokens  # fit whatever the tokens
 
     @functools.cached_property
-    def max_prompt_chars(self) -> int:
-        """Characters beyond which a prompt cannot fit. Computed only for a prompt longer
-        than short_prompt_chars: reading the vocabulary takes 18 ms at 32k tokens, on the
-        way to a job's first step."""
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a prompt cannot fit; None where no count of characters
+        tells (a tokenizer that can drop characters: WordPiece, whitespace splitting; such a
+        prompt is tokenized whole). Computed only for a prompt longer than
+        short_prompt_chars: reading the vocabulary takes 18 ms at 32k tokens, on the way to a
+        job's first step."""
+        if not keeps_every_character(self.tokenizer):
+            return None
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return self.short_prompt_chars * max(longest, 1)
 
@@ -477,13 +486,16 @@ class PromptBuilder:
         """The prompt text, if it can be encoded and could fit; cut (by characters, to a
         length that still holds more tokens than fit) where it is truncated anyway."""
         check_unicode(text)
-        if len(text) <= self.short_prompt_chars or len(text) <= self.max_prompt_chars:
+        if len(text) <= self.short_prompt_chars:
+            return text
+        bound = self.max_prompt_chars
+        if bound is None or len(text) <= bound:
             return text
         mode = self.config.truncate
         if mode == "left":
-            return text[-self.max_prompt_chars :]
+            return text[-bound:]
         if mode == "right":
-            return text[: self.max_prompt_chars]
+            return text[:bound]
         raise ValueError(
             f"prompt has {len(text):,} characters, more than the model's context of "
             f"{self.max_prompt_tokens + 1:,} tokens (max_model_len) can hold: shorten it, or "

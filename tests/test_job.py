@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -220,6 +221,55 @@ def test_truncation_leaves_prompts_within_the_context_whole(model_dir, mode: str
             built = builder.build(0, row)
             assert built.error is None and built.prompt_ids == whole.prompt_ids, (new, config)
             assert 25 <= len(built.prompt_ids) <= 47
+
+
+def wordpiece_tokenizer(tmp_path: Path) -> Any:
+    """A BERT-style tokenizer: whitespace dropped, a word it cannot spell one [UNK]."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[UNK]", "[CLS]", "[SEP]", "hello", "world", "x"])}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    fast.save_pretrained(tmp_path)
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["error", "left", "right"])
+def test_a_long_text_of_few_tokens_runs_whole(model_dir, tmp_path: Path, mode: str) -> None:
+    """A prompt's length in characters says nothing of its tokens for a tokenizer that drops
+    characters (WordPiece drops whitespace): such a prompt within the context runs whole,
+    whatever its characters, never refused nor cut; for a tokenizer that keeps every
+    character, a text too long to fit is still refused or cut before it is tokenized."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.prompt_text import keeps_every_character
+    from batchgen.prompts import PromptBuilder, PromptConfig
+
+    wordpiece = wordpiece_tokenizer(tmp_path)
+    assert not keeps_every_character(wordpiece)
+    text = "hello" + " " * 20_000 + "world" + "\n" * 20_000 + "x" * 500  # 5 tokens
+    built = PromptBuilder(PromptConfig(truncate=mode), wordpiece, 63, SamplingParams()).build(
+        0, {"prompt": text}
+    )
+    assert built.error is None and built.prompt_ids == wordpiece(text).input_ids == [1, 3, 4, 0, 2]
+    llama = AutoTokenizer.from_pretrained(model_dir("llama"))
+    assert keeps_every_character(llama)
+    builder = PromptBuilder(
+        PromptConfig(truncate=mode), llama, 63, SamplingParams(max_new_tokens=8)
+    )
+    long = builder.build(0, {"prompt": " ".join(["word"] * 100_000)})
+    if mode == "error":
+        assert long.error.startswith("prompt has 499,999 characters, more than the model's")
+    else:
+        assert long.error is None and len(long.prompt_ids) == 64 - 8
 
 
 def test_chat_prompts_are_truncated_on_the_left_only(model_dir, tmp_path: Path) -> None:
