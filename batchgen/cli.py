@@ -48,6 +48,17 @@ def _fail(exc: BaseException) -> None:
     sys.exit(EXIT_INCOMPLETE if isinstance(exc, JobStopped) else EXIT_USER_ERROR)
 
 
+def _reports() -> bool:
+    """Whether this process says why the command stopped: not a rank other than 0 started
+    by `--gpus` (their launcher's terminal is rank 0's; under torchrun every rank says it)."""
+    from batchgen.distributed import LAUNCHED, place_from_env
+
+    if not os.environ.get(LAUNCHED):
+        return True
+    place = place_from_env()
+    return place is None or place.rank == 0
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split()).encode("utf-8", "backslashreplace").decode("utf-8")
 
@@ -63,7 +74,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except BatchgenError as exc:
             _fail(exc)
         except KeyboardInterrupt:  # only a run has rows to keep
-            click.echo(f"\n{ABORTED if fn.__name__ == 'run' else INTERRUPTED}", err=True)
+            if _reports():
+                click.echo(f"\n{ABORTED if fn.__name__ == 'run' else INTERRUPTED}", err=True)
             sys.exit(128 + signal.SIGINT)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise

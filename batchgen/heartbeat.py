@@ -195,9 +195,12 @@ class Heartbeat:
         return self.outcome
 
     def close(self) -> None:
+        """Stop and join both threads: one that ended during the interpreter's exit would free
+        the tensors its target holds (through `progress`) without the GIL, and abort."""
         self._closing.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5 * BEAT_S)
+        for thread in (self._thread, self._watch):  # the watchdog wakes when the loop ends
+            if thread.is_alive():
+                thread.join(timeout=5 * BEAT_S)
 
     # -- the thread ------------------------------------------------------------------------
 

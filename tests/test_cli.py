@@ -366,6 +366,29 @@ def test_ctrl_c_outside_a_run_does_not_speak_of_rows(
     assert code == 130 and output.strip() == "batchgen: interrupted", output
 
 
+def test_under_gpus_only_rank_0_says_a_ctrl_c_stopped_the_command(
+    tmp_path: Path, prompts: Path, monkeypatch
+) -> None:
+    """The ranks `--gpus N` starts share their launcher's terminal: a Ctrl-C before the job
+    runs (all of them get it) is said once, by rank 0; every rank exits 130."""
+    import batchgen.job
+    from batchgen.distributed import LAUNCHED
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batchgen.job, "check_job", interrupted)
+    monkeypatch.setenv(LAUNCHED, "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        code, output = invoke("validate", "--input", str(prompts), "--output", str(tmp_path))
+        assert code == 130
+        said[rank] = output.strip()
+    assert said == {"0": "batchgen: interrupted", "1": ""}
+
+
 def test_the_stop_line_offers_a_second_ctrl_c_only_after_a_ctrl_c(capsys) -> None:
     """SIGTERM (a scheduler, the launcher of a lost rank) stops after the step in flight; only
     a Ctrl-C's line offers another Ctrl-C to abort."""

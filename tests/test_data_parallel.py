@@ -315,6 +315,46 @@ def test_a_store_that_stops_answering_stops_the_rank_within_the_heartbeat_timeou
     beat.close()
 
 
+def test_closing_the_heartbeat_joins_its_threads(monkeypatch):
+    """Both heartbeat threads are over once close() returns: a thread left to end during the
+    interpreter's exit frees the tensors its target holds there, and the rank aborts
+    ("terminate called without an active exception", exit 134 after a complete job)."""
+    from batchgen.heartbeat import Heartbeat, Progress, publish_first_beat
+
+    class Store:
+        def __init__(self) -> None:
+            self.data: dict[str, bytes] = {}
+
+        def set(self, key: str, value: bytes) -> None:
+            self.data[key] = value
+
+        def get(self, key: str) -> bytes:
+            return self.data[key]
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return [self.data[k] for k in keys]
+
+        def check(self, keys: list[str]) -> bool:
+            return all(k in self.data for k in keys)
+
+    class Group:
+        store, rank, world_size = Store(), 0, 1
+
+    watchdog = Heartbeat._watchdog
+
+    def slow_to_end(self: Heartbeat) -> None:  # as when the watchdog waits for the GIL
+        watchdog(self)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(Heartbeat, "_watchdog", slow_to_end)
+    group = Group()
+    publish_first_beat(group)
+    beat = Heartbeat(group, threading.Event(), 60.0, lambda: Progress())
+    beat.start()
+    beat.close()
+    assert not beat._thread.is_alive() and not beat._watch.is_alive()
+
+
 def test_a_rank_checks_that_the_lock_is_still_its_runs(tmp_path):
     layout = OutputLayout(tmp_path / "out")
     with DirectoryLock(layout) as lock:
