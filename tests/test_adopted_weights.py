@@ -83,6 +83,71 @@ def test_reset_prefix_cache(model_dir: Callable[..., Path]) -> None:
     assert updated == _fresh(model)
 
 
+def _swap_activation(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.Tanh()
+
+
+def _norm_eps(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.input_layernorm.variance_epsilon = 10.0
+
+
+@pytest.mark.parametrize("update", [_swap_activation, _norm_eps], ids=["activation", "eps"])
+def test_changed_modules_drop_the_cached_prefixes(model_dir, update: Callable) -> None:
+    """A change that touches no tensor (an activation swapped, a norm's eps set) is seen as
+    a weight change is: the cached prompt blocks are dropped, the next call equals a fresh
+    engine on the changed model; where graphs or fused layers run the old modules, it is
+    refused."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32).eval()
+    with Engine(model, _config()) as engine:
+        _tokens(engine)
+        update(model)
+        engine.runner.graphs = object()  # as on a GPU with graphs captured
+        try:
+            with pytest.raises(BatchgenError, match="modules were replaced or their settings"):
+                _tokens(engine)
+        finally:
+            engine.runner.graphs = None
+        before = engine.cache_stats
+        updated = _tokens(engine)
+        assert (engine.cache_stats - before).cached_tokens == 0
+    assert updated == _fresh(model)
+
+
+def test_the_generation_config_is_read_at_each_call(model_dir) -> None:
+    """As Hugging Face's generate reads model.generation_config at each call, so does an
+    engine over a caller's model: an end-of-sequence id or a max_new_tokens set after the
+    engine started applies to the next call."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32).eval()
+    with Engine(model, _config()) as engine:
+        (first,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6), decode=False)
+        stop_at = first.output_token_ids[2]
+        model.generation_config.eos_token_id = [stop_at]
+        (ended,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6), decode=False)
+        assert (
+            ended.output_token_ids
+            == first.output_token_ids[: first.output_token_ids.index(stop_at) + 1]
+        )
+        assert ended.finish_reason == "stop" and str(stop_at) in engine.fingerprint["eos_token_ids"]
+        model.generation_config.max_new_tokens = 2
+        model.generation_config.eos_token_id = None
+        (short,) = engine.generate([PROMPTS[0]], decode=False)
+        want = model.generate(torch.tensor([PROMPTS[0]]), do_sample=False)[0, len(PROMPTS[0]) :]
+    assert short.output_token_ids == want.tolist() and len(want) <= 2
+
+
+def test_a_resized_vocabulary_is_refused_in_one_line(model_dir) -> None:
+    """resize_token_embeddings after the engine started: the engine's sampling is sized for
+    the old vocabulary, so the next call is refused, naming the remedy."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32).eval()
+    with Engine(model, _config()) as engine:
+        _tokens(engine)
+        model.resize_token_embeddings(model.config.vocab_size + 32, mean_resizing=False)
+        with pytest.raises(BatchgenError, match=r"vocabulary was resized .*create a new engine"):
+            _tokens(engine)
+
+
 def test_replaced_weights_are_refused_where_graphs_hold_the_old_ones(model_dir) -> None:
     """CUDA graphs (and fused layers' merged weights) read the tensors they were made with:
     a model whose tensors were replaced is refused there, before any step."""
@@ -103,7 +168,8 @@ def test_a_checkpoint_of_the_old_weights_is_not_resumed_after_a_change(
     model_dir: Callable[..., Path], tmp_path: Path
 ) -> None:
     """A Generator's checkpoint_dir holds rows of the weights they were made with: after a
-    training step the same directory is refused as another model's, not handed back."""
+    training step, a change through .data told by reset_prefix_cache(), or a module swapped,
+    the same directory is refused as another model's, not handed back."""
     datasets = pytest.importorskip("datasets")
     path = model_dir("llama")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -115,6 +181,16 @@ def test_a_checkpoint_of_the_old_weights_is_not_resumed_after_a_change(
         _train_step(model)
         with pytest.raises(BatchgenError, match="the model changed"):
             gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "ck", progress=False)
+        gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "data", progress=False)
+        for layer in model.model.layers:  # unseen by version counters, told by the caller
+            layer.self_attn.k_proj.weight.data.mul_(-1.5)
+        gen.reset_prefix_cache()
+        with pytest.raises(BatchgenError, match=r"the model changed \(weights_checksum differ"):
+            gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "data", progress=False)
+        gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "act", progress=False)
+        _swap_activation(model)
+        with pytest.raises(BatchgenError, match=r"the model changed \(modules differ"):
+            gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "act", progress=False)
         fresh = gen.generate(ds, sampling=sampling, checkpoint_dir=tmp_path / "new", progress=False)
     assert len(fresh["text"]) == 2
 

@@ -31,7 +31,7 @@ from batchgen.engine.call_inputs import (
 from batchgen.engine.config import EngineConfig, check_prefill_budget
 from batchgen.engine.detokenize import output_text
 from batchgen.engine.device import resolve_device, resolve_dtype, token_budget
-from batchgen.engine.fingerprint import model_fingerprint, tokenizer_fingerprint
+from batchgen.engine.fingerprint import eos_fingerprint, model_fingerprint, tokenizer_fingerprint
 from batchgen.engine.grammar import Grammars, InFlight, fill_threads, grammar_spec
 from batchgen.engine.graphs import step_target
 from batchgen.engine.model_loader import (
@@ -245,8 +245,8 @@ class Engine:
         still running are dropped (their prompts yield nothing).
         """
         check_one_call(self._generating)
+        self._drop_stale_prefixes()  # and the caller's generation_config as it is now
         source = with_params(as_prompts(prompts), call_params(params, self.generation_defaults))
-        self._drop_stale_prefixes()
         if self.runner is not None:
             self.runner.watch_modes()  # a caller's model may be in train mode now
         position = 0  # default ids count the prompts, not the NOT_READY answers
@@ -298,7 +298,7 @@ class Engine:
         if not self._abort_all_after(failure) or self._weights is None:
             return
         if weights_version(self.model) != self._weights:
-            self.reset_prefix_cache()  # changed while it ran: the next call checks how
+            self.blocks.clear_cache()  # changed while it ran: the next call checks how
 
     def _abort_all_after(self, failure: BaseException | None) -> bool:
         """abort_all; when an error (`failure`) is on its way to the caller already, a second
@@ -320,29 +320,47 @@ class Engine:
         model and tokenizer, those as they are now (a job resumes only on the same): the chat
         template a job renders its prompts with is the tokenizer's at the job's start."""
         self._drop_stale_prefixes()
-        return {**self._fingerprint, **tokenizer_fingerprint(self.tokenizer)}
+        return {
+            **self._fingerprint,
+            **tokenizer_fingerprint(self.tokenizer),
+            **eos_fingerprint(self.eos_token_ids),
+        }
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block, so later prompts compute their KV again: for a
-        model changed in a way generate cannot see (through `.data`). Blocks that running
+        model changed in a way generate cannot see (through `.data`), whose fingerprint (a
+        checkpoint resumes only on the same) is then taken again. Blocks that running
         requests hold stay theirs, uncached."""
         self.blocks.clear_cache()
+        if self._weights is not None:
+            self._fingerprint = model_fingerprint(
+                self.model, self.tokenizer, self.eos_token_ids, adopted=True
+            )
 
     def _drop_stale_prefixes(self) -> None:
-        """Forget the cached prompt blocks if the caller's model changed since they were
-        computed (its weights' versions or addresses, its non-persistent buffers or its
-        adapters' state differ)."""
+        """For a caller's model: its generation_config as it is now (its end-of-sequence ids
+        and recommended sampling, read at each call as Hugging Face's generate reads them),
+        and the cached prompt blocks forgotten if the model changed since they were computed
+        (its weights' versions or addresses, its non-persistent buffers, its adapters' state
+        or its modules differ)."""
         if self._weights is None or self.runner is None:
             return
+        self._read_generation_config()
         now = weights_version(self.model)
         if now == self._weights:
             return
         self._check_fast_paths(now)
         self._weights = now
         self.reset_prefix_cache()
-        self._fingerprint = model_fingerprint(
-            self.model, self.tokenizer, self.eos_token_ids, adopted=True
-        )
+
+    def _read_generation_config(self) -> None:
+        eos = eos_token_ids(self.model, self.tokenizer)
+        if eos != self.eos_token_ids:
+            self.eos_token_ids = eos
+            if self.grammars is not None:  # its grammars end on the old ids
+                self.grammars.close()
+                self.grammars = None
+        self.generation_defaults = model_sampling_defaults(self.model, self.config)
 
     def _check_fast_paths(self, now: WeightsVersion) -> None:
         """BatchgenError for a change that CUDA graphs or fused layers would not see: they
@@ -355,6 +373,18 @@ class Engine:
                 "the model's weights were replaced by new tensors (or layers were added) since "
                 "this engine started, and its CUDA graphs or fused layers read the old ones: "
                 "update them in place (copy_, load_state_dict) or create a new engine"
+            )
+        if now.vocab_size != self._weights.vocab_size:
+            raise BatchgenError(
+                f"the model's vocabulary was resized ({self._weights.vocab_size} -> "
+                f"{now.vocab_size} tokens: resize_token_embeddings) since this engine started, "
+                "which sized its sampling for the old one: create a new engine"
+            )
+        if now.modules != self._weights.modules and (graphs or fused):
+            raise BatchgenError(
+                "the model's modules were replaced or their settings changed (an activation, "
+                "a norm's eps, a wrapped layer) since this engine started, and its CUDA graphs "
+                "or fused layers run them as they were: create a new engine"
             )
         if now.adapters != self._weights.adapters and graphs:
             raise BatchgenError(

@@ -7,7 +7,8 @@ the end-of-sequence ids. Two loads of the same checkpoint agree, on
 any device; a retrained or edited checkpoint (a single element changed), another tokenizer or
 chat template does not. A model with adapter layers (peft's LoRA and other tuners) adds their
 state (which adapters are active, disabled, merged, their scales); a caller's model adds its
-non-persistent buffers (a rotary table its config no longer describes once changed in place).
+non-persistent buffers (a rotary table its config no longer describes once changed in place)
+and its module tree (an activation swapped, a norm's eps changed).
 """
 
 from __future__ import annotations
@@ -36,14 +37,27 @@ def model_fingerprint(
         "config": _digest(json.dumps(_clean(model.config.to_dict()), sort_keys=True, default=str)),
         "weights_checksum": _weights_digest(model),
         **tokenizer_fingerprint(tokenizer),
-        "eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids)),
+        **eos_fingerprint(eos_token_ids),
     }
     adapters = adapter_state(model)
     if adapters:  # a model without adapter layers keeps the fingerprint it always had
         out["adapters"] = _digest(repr(adapters))
     if adopted:
         out["buffers"] = buffers_digest(nonpersistent_buffers(model)).hex()
+        out["modules"] = modules_digest(model)
     return out
+
+
+def modules_digest(model: torch.nn.Module) -> str:
+    """The module tree as its repr shows it: each module's class and its own settings (an
+    activation swapped, a norm's eps, a layer wrapped), which change outputs without changing
+    any tensor."""
+    return _digest(repr(model))
+
+
+def eos_fingerprint(eos_token_ids: frozenset[int]) -> dict[str, str]:
+    """The end-of-sequence ids' part of model_fingerprint."""
+    return {"eos_token_ids": ",".join(str(i) for i in sorted(eos_token_ids))}
 
 
 # attributes of an adapter layer (peft's BaseTunerLayer) that decide its forward

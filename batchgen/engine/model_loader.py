@@ -23,7 +23,12 @@ from transformers.utils import logging as hf_logging
 
 from batchgen.engine.attention import ATTENTION_NAME, attention_scope, register
 from batchgen.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
-from batchgen.engine.fingerprint import adapter_state, buffers_digest, nonpersistent_buffers
+from batchgen.engine.fingerprint import (
+    adapter_state,
+    buffers_digest,
+    modules_digest,
+    nonpersistent_buffers,
+)
 from batchgen.engine.model_path import resolve_model_path
 from batchgen.engine.preload import Preload
 from batchgen.engine.quant import FP8_DTYPE, check_fp8_device, quantize_model
@@ -70,7 +75,7 @@ def activation_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> in
 
 class WeightsVersion(NamedTuple):
     """What a caller's model computes with, compared between generate calls: equal unless
-    its weights, buffers or adapters were changed or replaced."""
+    its weights, buffers, adapters or modules were changed or replaced."""
 
     # where each parameter and persistent buffer lives and its version counter, which every
     # in-place change made through the tensor (an optimizer step, load_state_dict, copy_
@@ -80,6 +85,8 @@ class WeightsVersion(NamedTuple):
     buffers: tuple[int, ...]  # where each non-persistent floating-point buffer lives
     buffer_contents: bytes  # their digest (buffers_digest)
     adapters: tuple[tuple[Any, ...], ...]  # adapter layers' state (adapter_state)
+    modules: str  # the module tree and each module's settings (modules_digest)
+    vocab_size: int  # the config's (resize_token_embeddings changes it)
 
     def addresses(self) -> tuple[int, ...]:
         """Where every tensor lives (what CUDA graphs and fused layers read)."""
@@ -95,7 +102,11 @@ def weights_version(model: torch.nn.Module) -> WeightsVersion:
                 out.append((t.data_ptr(), -1 if t.is_inference() else t._version))
     buffers = nonpersistent_buffers(model)
     where = tuple(t.data_ptr() for t in buffers)
-    return WeightsVersion(tuple(out), where, buffers_digest(buffers), adapter_state(model))
+    vocab = model.config.get_text_config().vocab_size
+    return WeightsVersion(
+        tuple(out), where, buffers_digest(buffers), adapter_state(model), modules_digest(model),
+        vocab,
+    )  # fmt: skip
 
 
 def set_cpu_threads(config: EngineConfig) -> None:
