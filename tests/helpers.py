@@ -241,3 +241,18 @@ def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     from batchgen.engine.sampler import token_bitmask_allowed
 
     return logits.masked_fill(~token_bitmask_allowed(mask, logits.shape[-1]), float("-inf"))
+
+
+def refused_under_graphs(engine: Any, run: Any, match: str) -> None:
+    """run(engine) is refused (BatchgenError matching `match`) with the engine as on a GPU
+    with CUDA graphs captured, which would not see the change; the engine is as it was after."""
+    import pytest
+
+    from batchgen import BatchgenError
+
+    engine.runner.graphs = object()
+    try:
+        with pytest.raises(BatchgenError, match=match):
+            run(engine)
+    finally:
+        engine.runner.graphs = None

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchgen import BatchgenError, Engine, EngineConfig, Generator, SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, refused_under_graphs
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPTS = random_prompts(3, 40, 40, 1000, seed=1)  # 5 blocks of 8: 4 cached per prompt
@@ -103,12 +103,7 @@ def test_changed_modules_drop_the_cached_prefixes(model_dir, update: Callable) -
     with Engine(model, _config()) as engine:
         _tokens(engine)
         update(model)
-        engine.runner.graphs = object()  # as on a GPU with graphs captured
-        try:
-            with pytest.raises(BatchgenError, match="modules were replaced or their settings"):
-                _tokens(engine)
-        finally:
-            engine.runner.graphs = None
+        refused_under_graphs(engine, _tokens, "modules were replaced or their settings")
         before = engine.cache_stats
         updated = _tokens(engine)
         assert (engine.cache_stats - before).cached_tokens == 0
@@ -155,12 +150,7 @@ def test_replaced_weights_are_refused_where_graphs_hold_the_old_ones(model_dir) 
     with Engine(model, _config()) as engine:
         _tokens(engine)
         _replace_data(model)
-        engine.runner.graphs = object()  # as on a GPU with graphs captured
-        try:
-            with pytest.raises(BatchgenError, match="replaced by new tensors"):
-                _tokens(engine)
-        finally:
-            engine.runner.graphs = None
+        refused_under_graphs(engine, _tokens, "replaced by new tensors")
         assert _tokens(engine) == _fresh(model)  # without graphs: runs on the new tensors
 
 
