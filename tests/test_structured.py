@@ -185,6 +185,43 @@ def test_a_schema_that_admits_no_value_is_named_on_its_row(engines) -> None:
     assert out.finish_reason == "error" and "its json_schema admits no value" in out.error, out
 
 
+def test_a_regex_no_text_matches_is_an_error_not_an_empty_row(engines) -> None:
+    """A regex of an empty class matches nothing: each row is an error naming it, never an
+    empty text under finish_reason stop; a regex with a live branch still runs."""
+    regexes = [r"[^\s\S]", r"ab[^\s\S]", r"[a&&b]", r"a(b[^\s\S]|c)"]
+    prompts = [
+        Prompt("Row", str(i), {"regex": r, "max_new_tokens": 8}) for i, r in enumerate(regexes)
+    ]
+    outs = {o.request_id: o for o in engines[True].generate(prompts, SamplingParams())}
+    for i in range(3):
+        assert outs[str(i)].finish_reason == "error" and outs[str(i)].text is None
+        assert "matches no text at all: fix it" in outs[str(i)].error
+    assert outs["3"].finish_reason == "stop" and outs["3"].text == "ac"
+
+
+def test_one_of_runs_as_any_of_and_the_check_enforces_one(engines) -> None:
+    """oneOf (pydantic's discriminated unions) is generated as anyOf; an output valid under
+    two branches is an error row, one valid under exactly one is kept."""
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    union = {"oneOf": [{**small, "multipleOf": 2}, {**small, "multipleOf": 3}]}
+    prompts = [
+        Prompt(
+            "Row",
+            str(i),
+            {"json_schema": union, "max_new_tokens": 6, "temperature": 1.0, "seed": i},
+        )
+        for i in range(12)
+    ]
+    outs = list(engines[True].generate(prompts, SamplingParams()))
+    for out in outs:
+        if out.finish_reason == "stop":
+            value = int(out.text)
+            assert (value % 2 == 0) != (value % 3 == 0), out.text
+        elif out.finish_reason == "error":
+            assert "is valid under each of" in out.error, out.error
+    assert any(out.finish_reason == "stop" for out in outs)
+
+
 def test_structured_logprobs_are_under_the_grammar_mask(model_dir, engines) -> None:
     """As vLLM's: a structured row's logprobs are the raw logits' log_softmax over the tokens
     its grammar allows at that step (no temperature or filter), a forbidden token is never an

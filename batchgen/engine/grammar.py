@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from batchgen.engine.output_check import unchecked_problem
+from batchgen.engine.output_check import admits_nothing, unchecked_problem
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.transfer import StepOutput
 from batchgen.errors import BatchgenError
@@ -60,7 +60,9 @@ from batchgen.errors import BatchgenError
 COMPILE_THREADS = 1  # one compile at a time, beside the engine thread
 MAX_FILL_THREADS = 32  # beyond this a step's rows are too few to share out
 ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
-COMPACT_JSON = {"whitespace_flexible": False}  # llguidance JSON options: "," and ":" alone
+# llguidance JSON options: "," and ":" alone; oneOf generated as anyOf (pydantic's
+# discriminated unions; an output valid under several branches fails the jsonschema check)
+COMPACT_JSON = {"whitespace_flexible": False, "coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's json_object mode
 FILL_SWITCH_S = 1e-4  # the GIL switch interval while a fill runs beside the engine thread
 
@@ -202,7 +204,9 @@ class Grammars:
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
         _check_checkable(spec)
-        return Compiled(spec, [self._lane(spec)])
+        lane = self._lane(spec)
+        _check_admits_text(spec, lane)
+        return Compiled(spec, [lane])
 
     def _lane(self, spec: GrammarSpec) -> Any:
         llg = self._llg
@@ -401,6 +405,16 @@ def _grammar(llg: Any, spec: GrammarSpec) -> str:
     if spec.kind == "choice":
         return llg.LLMatcher.grammar_from_lark(_choice_lark(json.loads(spec.source)))
     return llg.LLMatcher.grammar_from_json_schema(spec.source, COMPACT_JSON)
+
+
+def _check_admits_text(spec: GrammarSpec, lane: Any) -> None:
+    """ValueError for a grammar that no text matches (a regex of an empty class, [^\\s\\S]):
+    its matcher is dead from the start, where each sample would end at once, empty, as if
+    it matched. Schemas that admit no value are refused as they compile."""
+    probe = lane.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error() and not probe.is_accepting():
+        raise ValueError(admits_nothing(spec))
 
 
 def _not_compiled(spec: GrammarSpec, problem: str) -> ValueError:

@@ -38,10 +38,7 @@ def output_problem(check: OutputCheck, text: str) -> str | None:
     under finish_reason `stop`."""
     spec = check.spec
     if check.complete and text == "" and spec.kind in ("json_schema", "json_object"):
-        return (  # the grammar allowed only the end from the start: no JSON value matches it
-            f"its {spec.kind} admits no value (the grammar allowed no output, e.g. a $ref that "
-            "only refers to itself): fix the schema"
-        )
+        return admits_nothing(spec)  # the grammar allowed only the end from the start
     if check.complete:
         return spec_problem(spec, text)
     early = f"a stop string or stop token ended it before its {spec.kind} was complete"
@@ -49,6 +46,17 @@ def output_problem(check: OutputCheck, text: str) -> str | None:
         return f"{early}, so it may not match the regex"
     problem = spec_problem(spec, text)
     return None if problem is None else f"{early}: {problem}"
+
+
+def admits_nothing(spec: GrammarSpec) -> str:
+    """Why a spec that no output can match is refused (one line)."""
+    if spec.kind == "regex":
+        shown = spec.source if len(spec.source) <= 80 else spec.source[:77] + "..."
+        return f"regex {shown!r} matches no text at all: fix it"
+    return (
+        f"its {spec.kind} admits no value (the grammar allows no output, e.g. a $ref that "
+        "only refers to itself): fix the schema"
+    )
 
 
 def spec_problem(spec: GrammarSpec, text: str) -> str | None:
