@@ -339,6 +339,21 @@ def test_read_only_output_directory(base, tmp_path: Path) -> None:
     assert code == 2 and len(lines) == 1 and "writable" in lines[0], lines
 
 
+def test_a_column_only_a_partition_folder_names_is_refused_saying_so(tmp_path: Path) -> None:
+    """Hive partition folders (year=2024/) are not read as columns (as Hugging Face datasets
+    reads them): a job naming one is refused with one line that says so."""
+    for year in (2024, 2025):
+        (tmp_path / "in" / f"year={year}").mkdir(parents=True)
+        table = pa.table({"prompt": ["hi"], "k": [year]})
+        pq.write_table(table, tmp_path / "in" / f"year={year}" / "part-0.parquet")
+    base = ("validate", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o"))
+    code, lines = cli(*base, "--set", "prompt.passthrough=['k', 'year']")
+    assert code == 2 and len(lines) == 1, lines
+    assert "'year' is a partition folder name (year=...), and batchgen reads only" in lines[0]
+    code, lines = cli(*base, "--set", "prompt.passthrough=['month']")
+    assert code == 2 and lines[0].endswith("): fix [prompt] or the input"), lines
+
+
 def test_bad_job_files_and_inputs_are_one_line(model_dir, tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
     job.write_bytes('[input]\npath = "caf\u00e9.jsonl"\n'.encode("latin-1"))
@@ -349,9 +364,10 @@ def test_bad_job_files_and_inputs_are_one_line(model_dir, tmp_path: Path) -> Non
     code, lines = cli("validate", "--input", str(empty), "--output", str(tmp_path / "o"))
     assert code == 2 and len(lines) == 1 and "holds no rows" in lines[0], lines
     utf16 = tmp_path / "u16.jsonl"
-    utf16.write_bytes(json.dumps(GOOD).encode("utf-16"))
-    code, lines = cli("validate", "--input", str(utf16), "--output", str(tmp_path / "o"))
-    assert code == 2 and len(lines) == 1 and "UTF-16" in lines[0], lines
+    for encoding in ("utf-16", "utf-16-le", "utf-32-be"):  # with a BOM, and without one
+        utf16.write_bytes((json.dumps(GOOD) + "\n").encode(encoding))
+        code, lines = cli("validate", "--input", str(utf16), "--output", str(tmp_path / "o"))
+        assert code == 2 and len(lines) == 1 and "UTF-16" in lines[0], (encoding, lines)
     weights = tmp_path / "pickled"
     weights.mkdir()
     (weights / "config.json").write_text((model_dir("llama") / "config.json").read_text())

@@ -73,7 +73,7 @@ class RowsFormat:
         if not source.sampled:  # a schema: what it lacks, no row has
             raise BatchgenError(
                 f"input has no column {missing[0]!r} (columns: "
-                f"{', '.join(source.columns)}): fix [prompt] or the input"
+                f"{', '.join(source.columns)}): {_missing_remedy(missing[0], source)}"
             )
         # JSONL: lines vary, a key the first lines lack may come later; refused where no line
         # has it (without a pass over the files: where a needed key misses the first lines)
@@ -130,6 +130,19 @@ def _check_parquet_types(spec: JobSpec, source: InputSource) -> None:
                 '(an object without fields): set output.format = "jsonl", or leave the '
                 "column out of prompt.passthrough"
             )
+
+
+def _missing_remedy(column: str, source: InputSource) -> str:
+    """What to do about a column the input lacks; where it names a Hive partition folder of
+    the input (year=2024/), that batchgen reads only the files' own columns, as Hugging Face
+    datasets does."""
+    if not any(part.startswith(f"{column}=") for path in source.files for part in path.parts):
+        return "fix [prompt] or the input"
+    return (
+        f"{column!r} is a partition folder name ({column}=...), and batchgen reads only the "
+        "files' own columns, as Hugging Face datasets does: write it into the files, or fix "
+        "[prompt]"
+    )
 
 
 def _check_messages_type(spec: JobSpec, source: InputSource) -> None:

@@ -549,6 +549,14 @@ class JsonlScan(NamedTuple):
     spans: list[str]
 
 
+def _wide_text(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-16 or UTF-32 text without a BOM: NUL bytes, which
+    UTF-8 JSON never holds (a string escapes them), between every character or more (a
+    single stray NUL in a line is that line's error, not the file's)."""
+    sample = head[:4096]
+    return len(sample) >= 8 and sample.count(0) * 4 >= len(sample)
+
+
 def scan_jsonl(path: Path, name: str) -> JsonlScan:
     """-> rows (non-blank lines), SHA-256 and line marks, over binary chunks; reject a JSON
     document (array, pretty object)."""
@@ -568,7 +576,7 @@ def scan_jsonl(path: Path, name: str) -> JsonlScan:
                     f"{name!r} is {packed}-compressed, not JSON Lines text: batchgen reads jsonl "
                     "files uncompressed: decompress it first"
                 )
-            if head.startswith(_UTF16_BOMS):
+            if head.startswith(_UTF16_BOMS) or _wide_text(head):
                 raise BatchgenError(
                     f"{name!r} is UTF-16 or UTF-32 text, not UTF-8: convert it, e.g. "
                     f"iconv -f UTF-16 -t UTF-8 {name} > data.jsonl"
