@@ -86,7 +86,7 @@ class WeightsVersion(NamedTuple):
     buffer_contents: bytes  # their digest (buffers_digest)
     adapters: tuple[tuple[Any, ...], ...]  # adapter layers' state (adapter_state)
     modules: str  # the module tree and each module's settings (modules_digest)
-    vocab_size: int  # the config's (resize_token_embeddings changes it)
+    vocab_size: int | None  # the config's (resize_token_embeddings changes it)
 
     def addresses(self) -> tuple[int, ...]:
         """Where every tensor lives (what CUDA graphs and fused layers read)."""
@@ -102,7 +102,7 @@ def weights_version(model: torch.nn.Module) -> WeightsVersion:
                 out.append((t.data_ptr(), -1 if t.is_inference() else t._version))
     buffers = nonpersistent_buffers(model)
     where = tuple(t.data_ptr() for t in buffers)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
     return WeightsVersion(
         tuple(out), where, buffers_digest(buffers), adapter_state(model), modules_digest(model),
         vocab,
