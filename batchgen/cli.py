@@ -371,6 +371,7 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
         check_job,
         check_model_before_load,
         check_output_dir_before_lock,
+        check_tokenizer_before_load,
         file_model_defaults,
         model_defaults_line,
     )
@@ -378,6 +379,7 @@ def validate(job: str | None, sets: tuple[str, ...], force_resume: bool, **short
     spec = _load(job, sets, shortcuts)
     source = check_job(spec)
     check_model_before_load(spec)
+    check_tokenizer_before_load(spec)
     check_output_dir_before_lock(spec, source, force_resume)
     click.echo(json.dumps(spec.to_dict(), indent=2))
     taken = file_model_defaults(spec)

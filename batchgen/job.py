@@ -22,6 +22,7 @@ from tqdm import tqdm
 from batchgen.engine.attention.select import check_backend
 from batchgen.engine.device import resolve_device, resolve_dtype
 from batchgen.engine.model_path import (
+    DEFAULT_MODEL,
     check_max_model_len,
     file_generation_defaults,
     model_context,
@@ -310,19 +311,7 @@ def _with_engine(
 ) -> JobResult:
     """The job once its engine is loaded: the model's identity checked, the manifest claimed,
     then the pipeline."""
-    if engine.tokenizer is None:
-        raise BatchgenError(f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one")
-    if spec.prompt.messages_column is not None and not getattr(
-        engine.tokenizer, "chat_template", None
-    ):  # else every row would be an error row
-        raise BatchgenError(
-            f"model '{spec.model.path}' has no chat template, so prompt.messages_column cannot "
-            "be rendered: use an instruction-tuned model, or prompt.column / prompt.template"
-        )
-    try:  # a template that gives every row two BOS tokens is one error, not one per row
-        check_template_bos(spec.prompt, engine.tokenizer)
-    except ValueError as exc:
-        raise BatchgenError(str(exc)) from None
+    check_tokenizer(spec, engine.tokenizer)
     running = with_model_defaults(spec, engine)  # the job as it runs; `spec` as it was given
     try:  # a job-wide value the model cannot take is one error, not one per row
         engine.check_sampling(running.sampling)
@@ -470,6 +459,46 @@ def check_model_before_load(spec: JobSpec) -> None:
     if grammar is not None:
         try:
             check_grammar(grammar)
+        except ValueError as exc:
+            raise BatchgenError(f"[sampling] {exc}") from None
+
+
+def check_tokenizer(spec: JobSpec, tokenizer: Any) -> None:
+    """What the model's tokenizer makes impossible for every row, one error instead of one
+    per row: no tokenizer, chat messages without a chat template, a prompt.template that
+    begins with the BOS the tokenizer adds itself."""
+    if tokenizer is None:
+        raise BatchgenError(f"model '{spec.model.path}' has no tokenizer: batchgen jobs need one")
+    if spec.prompt.messages_column is not None and not getattr(tokenizer, "chat_template", None):
+        raise BatchgenError(
+            f"model '{spec.model.path}' has no chat template, so prompt.messages_column cannot "
+            "be rendered: use an instruction-tuned model, or prompt.column / prompt.template"
+        )
+    try:
+        check_template_bos(spec.prompt, tokenizer)
+    except ValueError as exc:
+        raise BatchgenError(str(exc)) from None
+
+
+def check_tokenizer_before_load(spec: JobSpec) -> None:
+    """`validate`: check_tokenizer and the [sampling] structured output compiled for the
+    model's tokenizer (a grammar no text matches), as the run finds them once the model is
+    loaded; for a local model folder, or the embedded default once built (a hub id's
+    tokenizer is left to the run, which downloads it)."""
+    from batchgen.engine.grammar import check_grammar, grammar_spec
+    from batchgen.engine.tokenizer_loader import load_tokenizer
+    from batchgen.models import default_model_folder
+
+    folder = default_model_folder() if spec.model.path == DEFAULT_MODEL else None
+    folder = folder or Path(spec.model.path).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    tokenizer = load_tokenizer(str(folder))
+    check_tokenizer(spec, tokenizer)
+    grammar = grammar_spec(spec.sampling)
+    if grammar is not None:
+        try:
+            check_grammar(grammar, tokenizer, model_vocab(spec.model.path))
         except ValueError as exc:
             raise BatchgenError(f"[sampling] {exc}") from None
 

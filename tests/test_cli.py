@@ -243,6 +243,17 @@ def test_validate_refuses_what_run_refuses_before_model_work(
         "json_schema cannot be compiled": [
             *("--output", str(tmp_path / "o7"), "--set", """sampling.json_schema='{"type":"x"}'"""),
         ],
+        "matches no text at all": [  # found with the model's tokenizer
+            *("--output", str(tmp_path / "o8"), "--set", r"sampling.regex='a[^\s\S]'"),
+        ],
+        "forces an output of more than 50,000 tokens": [
+            *("--output", str(tmp_path / "o9"), "--set"),
+            """sampling.json_schema='{"type":"object","properties":{"a":{"$ref":"#"}},"""
+            """"required":["a"]}'""",
+        ],
+        "begins with the BOS token": [
+            *("--output", str(tmp_path / "o10"), "--template", "<|begin_of_text|>Q: {prompt}"),
+        ],
     }
     if os.geteuid() != 0:  # root writes into a folder without write permission
         (tmp_path / "ro").mkdir(mode=0o500)

@@ -222,6 +222,35 @@ def test_one_of_runs_as_any_of_and_the_check_enforces_one(engines) -> None:
     assert any(out.finish_reason == "stop" for out in outs)
 
 
+def test_a_grammar_engine_failure_on_an_output_is_its_error_row(model_dir, monkeypatch) -> None:
+    """A matcher that fails on a token (past a limit of the grammar engine's) ends its sample
+    as an error row naming the failure; the step and the other rows go on."""
+    engine = Engine(model_dir("llama"), EngineConfig(device="cpu", max_num_seqs=6, overlap=0))
+    refused = engine.tokenizer.encode("zz", add_special_tokens=False)[0]
+    fill = Grammars._fill
+
+    def failing(self: Grammars, executor: object, known: list, *rest: object) -> None:
+        known = [  # the regex sample's first token, as if the mask had let through one its
+            # matcher then refuses (llguidance's limits: "Too many items")
+            (state, refused if state.spec.kind == "regex" and not state.accepted - 1 else tok)
+            for state, tok in known
+        ]
+        return fill(self, executor, known, *rest)
+
+    monkeypatch.setattr(Grammars, "_fill", failing)
+    prompts = [
+        Prompt("Row", "failed", {"regex": "[0-9]{3}", "max_new_tokens": 8}),
+        Prompt("Row", "ok", {"json_object": True, "max_new_tokens": 40}),
+    ]
+    with engine:
+        outs = {o.request_id: o for o in engine.generate(prompts, SamplingParams())}
+    assert outs["failed"].finish_reason == "error" and outs["failed"].text is None
+    assert outs["failed"].error.startswith(
+        "request failed: the grammar engine failed on this output (Parser Error: token "
+    ) and outs["failed"].error.endswith("): simplify the regex")
+    assert outs["ok"].finish_reason in ("stop", "length") and outs["ok"].error is None
+
+
 def test_structured_logprobs_are_under_the_grammar_mask(model_dir, engines) -> None:
     """As vLLM's: a structured row's logprobs are the raw logits' log_softmax over the tokens
     its grammar allows at that step (no temperature or filter), a forbidden token is never an
@@ -596,8 +625,11 @@ def test_parallel_fill_equals_one_thread_and_keeps_lanes_whole(model_dir) -> Non
     orders = []  # per fill call on 3 threads: the lexers along its consume and work lists
     fill = runs[3]._fill
 
-    def recorded(executor, known: list, pending: list, work: list, *rest) -> tuple[list, list]:
-        orders.extend([[lexer_of[id(m)] for m, _ in pairs] for pairs in (known, work)])
+    def recorded(executor, known: list, pending: list, work: list, *rest) -> None:
+        lexers = [
+            [lexer_of[id(getattr(x, "matcher", x))] for x, _ in pairs] for pairs in (known, work)
+        ]
+        orders.extend(lexers)  # known holds samples' states, work their matchers
         return fill(executor, known, pending, work, *rest)
 
     runs[3]._fill = recorded

@@ -704,7 +704,7 @@ class Engine:
         if state is not None and state.spec is not None and request.finish_reason == "stop":
             # a grammar allows the end-of-sequence token only once it is complete
             complete = bool(outputs) and outputs[-1] in self.eos_token_ids
-            check = OutputCheck(state.spec, complete)
+            check = OutputCheck(state.spec, complete, state.failure)
         return RequestOutput(
             request.request_id,
             request.prompt_token_ids,

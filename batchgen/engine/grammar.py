@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from batchgen.engine.output_check import admits_nothing, unchecked_problem
+from batchgen.engine.output_check import admits_nothing, endless, unchecked_problem
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.transfer import StepOutput
 from batchgen.errors import BatchgenError
@@ -65,6 +65,7 @@ ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 COMPACT_JSON = {"whitespace_flexible": False, "coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's json_object mode
 FILL_SWITCH_S = 1e-4  # the GIL switch interval while a fill runs beside the engine thread
+FORCED_LIMIT = 50_000  # llguidance's limit on the tokens a grammar forces in a row
 
 
 class GrammarSpec(NamedTuple):
@@ -139,12 +140,22 @@ class Compiled:
 
 @dataclass(eq=False)
 class GrammarState:
-    """A sample's matcher, its lane's lexer, and how many output tokens it has consumed."""
+    """A sample's matcher, its lane's lexer, and how many output tokens it has consumed.
+
+    A matcher that fails on a token (one it allowed, past a limit of the grammar engine's:
+    "Too many items") stays failed and allows only the end-of-sequence token from then on:
+    its sample ends at once and is an error row naming the failure (failure, output_check),
+    never a crash of the step nor an output under `stop`.
+    """
 
     matcher: Any  # llguidance.LLMatcher
     lexer: int  # id of the lane matcher it was copied from: copies of one share a lexer
     spec: GrammarSpec | None = None  # what a complete output must match (output_problem)
     accepted: int = 0
+    # the grammar engine's error on this output, set by whichever thread consumed the token
+    # it refused (the fill thread, or the engine thread before it starts a fill); read once
+    # the sample ended, after the fills that consumed its tokens
+    failure: str | None = None
 
 
 class Grammars:
@@ -262,12 +273,12 @@ class Grammars:
             outputs, j = request.output_token_ids, pending_row.get(id(request))
             new = len(outputs) - state.accepted
             if new == 1 and j is None:
-                known.append((state.matcher, outputs[-1]))
-            elif new:  # not sampled for a while, or a token before the in-flight one
-                _check_consumed([state.matcher], [state.matcher.consume_tokens(outputs[-new:])])
+                known.append((state, outputs[-1]))
+            elif new and not state.matcher.consume_tokens(outputs[-new:]):
+                _failed(state)  # not sampled for a while, or a token before the in-flight one
             state.accepted = len(outputs)
             if j is not None:
-                pending.append((state.matcher, j))
+                pending.append((state, j))
                 state.accepted += 1
             work.append((state.matcher, i))
         parts = list(lanes.values())
@@ -290,7 +301,7 @@ class Grammars:
         work: list,
         out: StepOutput | None,
         reset: int,
-    ) -> tuple[list, list]:
+    ) -> None:
         """On the fill thread: wait for the device, consume, reset the mask rows, fill."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's mask has left host_mask
@@ -298,18 +309,20 @@ class Grammars:
             if out.ready_event is not None:
                 out.ready_event.synchronize()
             tokens = out.tokens_host.tolist()
-            known = known + [(matcher, tokens[j]) for matcher, j in pending]
-        verdicts = executor.consume_token_par(known) if known else []
+            known = known + [(state, tokens[j]) for state, j in pending]
+        if known:
+            verdicts = executor.consume_token_par([(s.matcher, t) for s, t in known])
+            for (state, _), ok in zip(known, verdicts, strict=True):
+                if not ok:
+                    _failed(state)
         self._allow_all(self.host_mask[:reset])
         if work:
             self._llg.torch.fill_next_token_bitmask_par(executor, work, self.host_mask)
-        return known, verdicts
 
     def finish(self, job: Future, num_rows: int) -> torch.Tensor:
         """Wait for a fill (num_rows >= its rows: padding rows are all-allowed); -> the
         device bitmask [num_rows, words], its copy queued on the current stream."""
-        consumed, verdicts = self._wait(job)
-        _check_consumed([m for m, _ in consumed], verdicts)
+        self._wait(job)  # a token a matcher refused leaves it failed (GrammarState)
         mask = self.host_mask[:num_rows]
         if self._copied is None:
             return mask
@@ -323,9 +336,9 @@ class Grammars:
         with contextlib.suppress(Exception):
             self._wait(job)
 
-    def _wait(self, job: Future) -> tuple[list, list]:
+    def _wait(self, job: Future) -> None:
         try:
-            return job.result()
+            job.result()
         finally:
             self._unshorten()
 
@@ -372,15 +385,16 @@ class _SwitchInterval:
 _SWITCH = _SwitchInterval()
 
 
-def _check_consumed(matchers: list[Any], accepted: list[bool]) -> None:
-    for matcher, ok in zip(matchers, accepted, strict=True):
-        if not ok:
-            raise RuntimeError(f"grammar refused a token it allowed: {matcher.get_error()}")
+def _failed(state: GrammarState) -> None:
+    """A matcher refused a token: it stays failed and allows only the end (GrammarState)."""
+    if state.failure is None:
+        state.failure = state.matcher.get_error() or "a token the grammar allowed was refused"
 
 
-def check_grammar(spec: GrammarSpec) -> None:
-    """What compiling spec for a model would refuse whatever its tokenizer, found without
-    one (`batchgen validate`): ValueError saying why, as the compile's own would."""
+def check_grammar(spec: GrammarSpec, tokenizer: Any = None, vocab_size: int | None = None) -> None:
+    """What compiling spec for a model would refuse (`batchgen validate`): ValueError saying
+    why, as the compile's own would. With the model's tokenizer (and its vocabulary size),
+    also a grammar no text matches or whose forced output never ends, as the run finds."""
     _check_checkable(spec)
     llg = _llguidance()
     try:
@@ -389,6 +403,14 @@ def check_grammar(spec: GrammarSpec) -> None:
         problem = str(exc)
     if problem:
         raise _not_compiled(spec, problem)
+    if tokenizer is None or vocab_size is None:
+        return
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ours = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    matcher = llg.LLMatcher(ours, _grammar(llg, spec), log_level=0)
+    if matcher.is_error():
+        raise _not_compiled(spec, matcher.get_error())
+    _check_admits_text(spec, matcher)
 
 
 def _check_checkable(spec: GrammarSpec) -> None:
@@ -415,6 +437,8 @@ def _check_admits_text(spec: GrammarSpec, lane: Any) -> None:
     probe.compute_bitmask()
     if probe.is_error() and not probe.is_accepting():
         raise ValueError(admits_nothing(spec))
+    if len(lane.deep_copy().compute_ff_tokens()) >= FORCED_LIMIT:
+        raise ValueError(endless(spec, FORCED_LIMIT))
 
 
 def _not_compiled(spec: GrammarSpec, problem: str) -> ValueError:

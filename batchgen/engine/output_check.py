@@ -28,6 +28,7 @@ class OutputCheck(NamedTuple):
 
     spec: GrammarSpec
     complete: bool
+    failure: str | None = None  # the grammar engine's error on this output, if it had one
 
 
 def output_problem(check: OutputCheck, text: str) -> str | None:
@@ -37,6 +38,9 @@ def output_problem(check: OutputCheck, text: str) -> str | None:
     not checked again (spec_problem), never does: it is an error row, not a cut-off output
     under finish_reason `stop`."""
     spec = check.spec
+    if check.failure is not None:  # its matcher stopped: whatever ended it, it is no match
+        reason = (check.failure.strip().splitlines() or ["no reason given"])[0][:200]
+        return f"the grammar engine failed on this output ({reason}): simplify the {spec.kind}"
     if check.complete and text == "" and spec.kind in ("json_schema", "json_object"):
         return admits_nothing(spec)  # the grammar allowed only the end from the start
     if check.complete:
@@ -46,6 +50,14 @@ def output_problem(check: OutputCheck, text: str) -> str | None:
         return f"{early}, so it may not match the regex"
     problem = spec_problem(spec, text)
     return None if problem is None else f"{early}: {problem}"
+
+
+def endless(spec: GrammarSpec, limit: int) -> str:
+    """Why a spec whose grammar forces an output past the grammar engine's limit is refused."""
+    return (
+        f"its {spec.kind} forces an output of more than {limit:,} tokens (e.g. a property that "
+        "requires an object of the same schema), which no row can finish: fix it"
+    )
 
 
 def admits_nothing(spec: GrammarSpec) -> str:
