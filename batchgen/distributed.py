@@ -192,6 +192,11 @@ class Group:
         return out
 
 
+def store_address() -> str:
+    """Where the ranks meet (MASTER_ADDR:MASTER_PORT), as lines name it."""
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
 @contextlib.contextmanager
 def joined(place: Place, timeout_s: float, cuda: bool) -> Iterator[Group]:
     """Meet the other ranks (the store at MASTER_ADDR:MASTER_PORT, then the process group);
@@ -290,7 +295,7 @@ def meet(store: dist.Store, place: Place, timeout_s: float) -> None:
                 _not_come(sizes, place, timeout_s)
             time.sleep(MEET_POLL_S)
     except (RuntimeError, ValueError) as exc:  # the store's host is gone (rank 0 stopped)
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        where = store_address()
         raise JobStopped(
             f"rank {place.rank} lost the store at {where} before the ranks met "
             f"({_first_line(exc)[:200]}): the rank that hosts it (rank 0) stopped; its lines "
@@ -346,7 +351,7 @@ def _same_world(place: Place, rank: int, world_size: int) -> None:
 
 def _not_come(sizes: dist.Store, place: Place, timeout_s: float) -> None:
     missing = [k for k in range(place.world_size) if not sizes.check([str(k)])]
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    where = store_address()
     raise BatchgenError(
         f"rank {place.rank} could not meet the other ranks at {where}: rank(s) "
         f"{', '.join(map(str, missing))} had not come within runtime.rank_timeout_s="

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from batchgen.distributed import RANK_EXITS, Failure, Group, peer_exits
+from batchgen.distributed import RANK_EXITS, Failure, Group, peer_exits, store_address
 from batchgen.errors import exit_words
 
 BEAT_S = 0.5  # how often a rank publishes its beat and reads the others'
@@ -101,7 +101,7 @@ def _store_lost(me: int, exc: Exception) -> Stop:
             break
         time.sleep(0.05)
     lines = str(exc).strip().splitlines()
-    where = _store_address()
+    where = store_address()
     return Stop(
         -1,
         f"lost the job's store at {where} ({(lines or [type(exc).__name__])[0][:200]}): "
@@ -109,13 +109,9 @@ def _store_lost(me: int, exc: Exception) -> Stop:
     )
 
 
-def _store_address() -> str:
-    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-
-
 def _store_silent(timeout_s: float) -> Stop:
     """The store has not answered for timeout_s: its host is frozen or its machine lost."""
-    where = _store_address()
+    where = store_address()
     silent = f"its store at {where} has not answered for {timeout_s:g} s"
     if os.environ.get(RANK_EXITS):  # `batchgen run --gpus N`: rank 0 hosts the store
         return Stop(0, f"rank 0 stopped ({silent})")
