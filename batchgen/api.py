@@ -386,20 +386,19 @@ def _split_dir(checkpoint_dir: str | Path | None, split: str) -> Path | None:
     return None if checkpoint_dir is None else Path(checkpoint_dir) / split
 
 
-@contextlib.contextmanager
-def _datasets_bars(shown: bool) -> Iterator[None]:
+def _datasets_bars(shown: bool) -> contextlib.AbstractContextManager[None]:
     """datasets' own progress bars (flattening a selected dataset's indices) off inside, where
     progress=False; as they were after."""
     import datasets
 
-    if shown or datasets.are_progress_bars_disabled():
-        yield
-        return
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.enable_progress_bars()
+    from batchgen.engine.model_loader import library_bars
+
+    return library_bars(
+        shown,
+        lambda: not datasets.are_progress_bars_disabled(),
+        datasets.disable_progress_bars,
+        datasets.enable_progress_bars,
+    )
 
 
 def _join(ds: Any, table: pa.Table, columns: list[str], prefix: str) -> Any:

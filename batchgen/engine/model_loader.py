@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -288,18 +288,31 @@ def _from_weights(
     return loaded, None
 
 
-@contextmanager
-def hf_progress_bars(shown: bool) -> Iterator[None]:
+def hf_progress_bars(shown: bool) -> AbstractContextManager[None]:
     """transformers' own progress bars (loading weights) shown or not inside; the process's
     setting is restored after (a quiet job prints none)."""
-    before = hf_logging.is_progress_bar_enabled()
-    if before and not shown:
-        hf_logging.disable_progress_bar()
+    return library_bars(
+        shown,
+        hf_logging.is_progress_bar_enabled,
+        hf_logging.disable_progress_bar,
+        hf_logging.enable_progress_bar,
+    )
+
+
+@contextmanager
+def library_bars(
+    shown: bool, enabled: Callable[[], bool], disable: Callable[[], Any], enable: Callable[[], Any]
+) -> Iterator[None]:
+    """A library's progress bars (its is-enabled, disable and enable switches) off inside
+    where not shown; as they were after."""
+    off = enabled() and not shown
+    if off:
+        disable()
     try:
         yield
     finally:
-        if before and not shown:
-            hf_logging.enable_progress_bar()
+        if off:
+            enable()
 
 
 def _refuse_unsupported_class(source: str, exc: BaseException) -> None:
